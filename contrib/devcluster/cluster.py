@@ -1,0 +1,214 @@
+"""`singularityctl devcluster up|down|status`: the dev cluster as a whole."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import socket
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from singularity_slurm import config as config_mod
+from singularity_slurm.errors import DevClusterError, SingularityError
+from singularity_slurm.slurm_plugin import policy
+from singularity_slurm.slurm_plugin.slurm import SlurmClient, parse_version
+
+from . import daemons, install, render
+from .render import Layout
+
+Say = Callable[[str], None]
+
+
+def default_layout() -> Layout:
+    return Layout(hostname=socket.gethostname().split(".")[0],
+                  job_user=os.environ.get("SINGULARITY_DEVCLUSTER_USER", "jobuser"))
+
+
+def daemon_table(layout: Layout) -> list[daemons.Daemon]:
+    """Every daemon of the dev cluster, in start order."""
+    table = [
+        daemons.Daemon("munged", "munged", ["runuser", "-u", "munge", "--", "/usr/sbin/munged"],
+                       Path("/run/munge/munged.pid"), Path("/var/log/munge/munged.log")),
+        daemons.Daemon("redis", "redis-server",
+                       ["runuser", "-u", "redis", "--", "redis-server",
+                        str(layout.singularity_etc / "redis.conf")],
+                       layout.run_dir / "redis" / "redis.pid",
+                       layout.lib_dir / "redis" / "redis.log"),
+        daemons.Daemon("slurmctld", "slurmctld", ["slurmctld"], layout.slurmctld_pidfile,
+                       layout.log_dir / "slurmctld.log"),
+    ]
+    for node in layout.nodes:
+        table.append(daemons.Daemon(f"slurmd {node}", "slurmd", ["slurmd", "-N", node],
+                                    layout.slurmd_pidfile(node),
+                                    layout.log_dir / f"slurmd-{node}.log"))
+    return table
+
+
+def _slurm_daemons(table: list[daemons.Daemon]) -> list[daemons.Daemon]:
+    return [d for d in table if d.program.startswith("slurm")]
+
+
+@dataclass
+class Report:
+    changed: list[Path] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)
+
+
+def _write_configs(layout: Layout, say: Say) -> tuple[config_mod.Config, list[Path]]:
+    changed: list[Path] = []
+    etc = layout.singularity_etc
+    config_file = etc / "config.toml"
+    if not config_file.exists():
+        policy.write_atomic(config_file, render.render_singularity_config(layout))
+        changed.append(config_file)
+    password_file = etc / "redis.password"
+    if not password_file.exists():
+        policy.write_atomic(password_file, secrets.token_urlsafe(24) + "\n", mode=0o600)
+    config = config_mod.load(config_file)
+    if config.paths.prefix != layout.prefix:
+        raise DevClusterError(
+            f"{config_file} has paths.prefix = {config.paths.prefix}, but the dev cluster is "
+            f"installed in {layout.prefix}: fix the file or remove it to get the default"
+        )
+    password = config.redis.password()
+    if not password:
+        raise DevClusterError(f"{password_file} is empty: remove it and run `up` again")
+    redis_user = pwd.getpwnam("redis")
+    for path in (layout.run_dir / "redis", layout.lib_dir / "redis"):
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, redis_user.pw_uid, redis_user.pw_gid)
+    redis_conf = etc / "redis.conf"
+    if policy.write_atomic(redis_conf, render.render_redis_conf(layout, password), mode=0o640):
+        changed.append(redis_conf)
+    os.chown(redis_conf, 0, redis_user.pw_gid)
+    version = parse_version(install.run(["slurmd", "-V"]).stdout)  # works before slurm.conf
+    files = {
+        layout.slurm_etc / "slurm.conf": render.render_slurm_conf(layout, config, version),
+        layout.slurm_etc / "gres.conf": render.render_gres_conf(layout),
+    }
+    for path, text in files.items():
+        if policy.write_atomic(path, text):
+            changed.append(path)
+    changed += policy.install_policy(config, layout.slurm_etc)
+    say(f"configuration: {len(changed)} file(s) changed" if changed else "configuration: up to date")
+    return config, changed
+
+
+def _redis_ok(config: config_mod.Config) -> bool:
+    try:
+        client = redis.Redis(host=config.redis.host, port=config.redis.port,
+                             password=config.redis.password(), socket_timeout=2)
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _munge_ok() -> bool:
+    proc = subprocess.run("munge -n | unmunge", shell=True, capture_output=True)
+    return proc.returncode == 0
+
+
+def _ctld_ok() -> bool:
+    proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    return proc.returncode == 0 and "UP" in proc.stdout
+
+
+def _nodes_ready(slurm: SlurmClient, layout: Layout) -> bool:
+    nodes = slurm.nodes()
+    for name in layout.nodes:
+        state = nodes.get(name, {}).get("State", "UNKNOWN")
+        if any(bad in state for bad in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN")):
+            if "DOWN" in state or "DRAIN" in state:
+                slurm.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], check=False)
+            return False
+    return True
+
+
+def up(layout: Layout | None = None, say: Say = print) -> Report:
+    layout = layout or default_layout()
+    report = Report()
+    debian = install.check_platform()
+    install.ensure_packages(install.SYSTEM_PACKAGES, say)
+    criu = install.ensure_criu(layout, say)
+    install.ensure_pycriu(layout, debian, say)
+    say(f"criu: {criu}")
+    install.ensure_user(layout.job_user, say)
+    install.ensure_munge_key()
+    install.ensure_dirs(layout)
+    install.ensure_fake_gpus(layout)
+    config, report.changed = _write_configs(layout, say)
+
+    table = daemon_table(layout)
+    slurm_config_changed = any(p.name in {"slurm.conf", "gres.conf"} for p in report.changed)
+    redis_config_changed = any(p.name == "redis.conf" for p in report.changed)
+    for daemon in table:
+        restart = (slurm_config_changed and daemon.program.startswith("slurm")) or (
+            redis_config_changed and daemon.name == "redis")
+        if restart and daemon.pid() is not None:
+            daemons.stop(daemon)
+            report.restarted.append(daemon.name)
+        if daemon.pid() is None:
+            daemons.start(daemon)
+            if daemon.name not in report.restarted:
+                report.started.append(daemon.name)
+        if daemon.name == "munged":
+            daemons.wait_for(_munge_ok, "munge to issue credentials")
+        elif daemon.name == "redis":
+            daemons.wait_for(lambda: _redis_ok(config), "Redis to answer")
+        elif daemon.name == "slurmctld":
+            daemons.wait_for(_ctld_ok, "slurmctld to answer `scontrol ping`")
+    slurm = SlurmClient()
+    daemons.wait_for(lambda: _nodes_ready(slurm, layout), "nodes to become available", 60)
+    check_job_user_python(layout)
+    say(f"dev cluster up: nodes {', '.join(layout.nodes)}; started {report.started or 'nothing'}"
+        + (f"; restarted {report.restarted}" if report.restarted else ""))
+    return report
+
+
+def check_job_user_python(layout: Layout) -> None:
+    python = layout.venv_bin / "python"
+    proc = subprocess.run(["runuser", "-u", layout.job_user, "--", str(python), "-c",
+                           "import singularity_slurm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DevClusterError(
+            f"the job user {layout.job_user} cannot run {python}: {proc.stderr.strip()}; "
+            "install the project with `make install` (it creates a world-readable venv)"
+        )
+
+
+def down(layout: Layout | None = None, say: Say = print) -> list[str]:
+    layout = layout or default_layout()
+    stopped = []
+    for daemon in reversed(daemon_table(layout)):
+        if daemons.stop(daemon):
+            stopped.append(daemon.name)
+    say(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    return stopped
+
+
+def status(layout: Layout | None = None) -> dict:
+    layout = layout or default_layout()
+    result: dict = {"daemons": {}, "nodes": {}, "partitions": {}}
+    for daemon in daemon_table(layout):
+        pid = daemon.pid()
+        result["daemons"][daemon.name] = {"running": pid is not None, "pid": pid,
+                                          "pidfile": str(daemon.pidfile)}
+    if result["daemons"]["slurmctld"]["running"]:
+        try:
+            slurm = SlurmClient(timeout=10)
+            for name, node in slurm.nodes().items():
+                result["nodes"][name] = {"state": node.get("State"), "gres": node.get("Gres"),
+                                         "reason": node.get("Reason")}
+            for name, part in slurm.partitions().items():
+                result["partitions"][name] = {"priority_tier": part.get("PriorityTier"),
+                                              "preempt_mode": part.get("PreemptMode"),
+                                              "grace_time": part.get("GraceTime")}
+        except SingularityError as exc:
+            result["error"] = str(exc)
+    return result

@@ -1,0 +1,28 @@
+"""Every Redis key the project uses, in one place."""
+
+PREFIX = "singularity"
+
+
+def job(job_id: int | str) -> str:
+    """Hash: the job record (see `registry.JobRecord`)."""
+    return f"{PREFIX}:job:{job_id}"
+
+
+def job_node(job_id: int | str, node: str) -> str:
+    """Hash: what one node knows of a job (GPUs there, services, prolog time)."""
+    return f"{PREFIX}:job:{job_id}:node:{node}"
+
+
+def job_nodes(job_id: int | str) -> str:
+    """Set: the nodes whose prolog ran for the job and whose epilog has not yet."""
+    return f"{PREFIX}:job:{job_id}:nodes"
+
+
+def job_events(job_id: int | str) -> str:
+    """List: the job's history (starts, ends, requeues), oldest first, as JSON lines."""
+    return f"{PREFIX}:job:{job_id}:events"
+
+
+def jobs() -> str:
+    """Sorted set: every job id we know, scored by its last update time."""
+    return f"{PREFIX}:jobs"

@@ -1,0 +1,152 @@
+"""The job registry in Redis: written by Prolog and Epilog, read by `singularityctl status`."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from singularity_slurm.config import RedisConfig
+from singularity_slurm.errors import RegistryError
+
+from . import keys
+
+RECORD_TTL_S = 7 * 24 * 3600
+"""Records of ended jobs are kept this long, then Redis drops them."""
+
+
+@dataclass(frozen=True)
+class NodeStart:
+    """What the prolog of one node reports."""
+
+    job_id: int
+    node: str
+    user: str
+    uid: int
+    tier: str
+    partition: str
+    gpus: list[str]
+    restart_count: int
+    started_at: float
+    services: dict[str, int] = field(default_factory=dict)  # name -> pid
+
+
+def connect(config: RedisConfig, timeout: float = 5.0) -> redis.Redis:
+    """A connection to the coordinator's Redis; fails fast with the fix in the message."""
+    client = redis.Redis(host=config.host, port=config.port, db=config.db,
+                         password=config.password(), socket_timeout=timeout,
+                         socket_connect_timeout=timeout, decode_responses=True)
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise RegistryError(
+            f"Redis at {config.host}:{config.port} refused the password from "
+            f"{config.password_file}: check it matches Redis's requirepass"
+        ) from exc
+    except redis.ResponseError as exc:
+        if "NOAUTH" in str(exc):
+            raise RegistryError(
+                f"Redis at {config.host}:{config.port} needs a password: put it in "
+                f"{config.password_file}"
+            ) from exc
+        raise RegistryError(f"Redis at {config.host}:{config.port}: {exc}") from exc
+    except redis.RedisError as exc:
+        raise RegistryError(
+            f"cannot reach Redis at {config.host}:{config.port} ({exc}); is redis-server running?"
+        ) from exc
+    return client
+
+
+class Registry:
+    """Reads and writes job records; takes its Redis connection from the caller."""
+
+    def __init__(self, client: redis.Redis, clock=time.time):
+        self.redis = client
+        self.clock = clock
+
+    def record_node_start(self, start: NodeStart) -> None:
+        now = self.clock()
+        pipe = self.redis.pipeline()
+        pipe.hset(keys.job(start.job_id), mapping={
+            "job_id": start.job_id,
+            "user": start.user,
+            "uid": start.uid,
+            "tier": start.tier,
+            "partition": start.partition,
+            "restart_count": start.restart_count,
+            "state": "running",
+            "updated_at": now,
+        })
+        pipe.hsetnx(keys.job(start.job_id), "first_started_at", start.started_at)
+        pipe.hset(keys.job(start.job_id), "started_at", start.started_at)
+        pipe.hset(keys.job_node(start.job_id, start.node), mapping={
+            "gpus": ",".join(start.gpus),
+            "started_at": start.started_at,
+            "services": json.dumps(start.services),
+        })
+        pipe.sadd(keys.job_nodes(start.job_id), start.node)
+        pipe.rpush(keys.job_events(start.job_id), json.dumps({
+            "event": "node_start", "node": start.node, "time": start.started_at,
+            "restart_count": start.restart_count,
+        }))
+        pipe.zadd(keys.jobs(), {str(start.job_id): now})
+        pipe.zremrangebyscore(keys.jobs(), "-inf", now - RECORD_TTL_S)
+        for key in (keys.job(start.job_id), keys.job_nodes(start.job_id),
+                    keys.job_events(start.job_id), keys.job_node(start.job_id, start.node)):
+            pipe.persist(key)
+        pipe.execute()
+
+    def record_node_end(self, job_id: int, node: str, ended_at: float) -> None:
+        """Drop the node's part; the last node to end marks the job ended and starts its TTL."""
+        now = self.clock()
+        pipe = self.redis.pipeline()
+        pipe.delete(keys.job_node(job_id, node))
+        pipe.srem(keys.job_nodes(job_id), node)
+        pipe.scard(keys.job_nodes(job_id))
+        pipe.rpush(keys.job_events(job_id), json.dumps(
+            {"event": "node_end", "node": node, "time": ended_at}))
+        _, _, remaining, _ = pipe.execute()
+        if remaining == 0 and self.redis.exists(keys.job(job_id)):
+            pipe = self.redis.pipeline()
+            pipe.hset(keys.job(job_id), mapping={"state": "ended", "ended_at": ended_at,
+                                                 "updated_at": now})
+            pipe.zadd(keys.jobs(), {str(job_id): now})
+            for key in (keys.job(job_id), keys.job_events(job_id)):
+                pipe.expire(key, RECORD_TTL_S)
+            pipe.execute()
+
+    def job(self, job_id: int) -> dict | None:
+        record = self.redis.hgetall(keys.job(job_id))
+        if not record:
+            return None
+        nodes = {}
+        for node in sorted(self.redis.smembers(keys.job_nodes(job_id))):
+            raw = self.redis.hgetall(keys.job_node(job_id, node))
+            nodes[node] = {
+                "gpus": [g for g in raw.get("gpus", "").split(",") if g],
+                "started_at": float(raw.get("started_at", 0) or 0),
+                "services": json.loads(raw.get("services") or "{}"),
+            }
+        events = [json.loads(e) for e in self.redis.lrange(keys.job_events(job_id), 0, -1)]
+        try:
+            return {
+                "job_id": int(record["job_id"]),
+                "user": record.get("user"),
+                "uid": int(record.get("uid", -1)),
+                "tier": record.get("tier"),
+                "partition": record.get("partition"),
+                "state": record.get("state"),
+                "restart_count": int(record.get("restart_count", 0)),
+                "first_started_at": float(record.get("first_started_at", 0) or 0),
+                "started_at": float(record.get("started_at", 0) or 0),
+                "ended_at": float(record["ended_at"]) if "ended_at" in record else None,
+                "nodes": nodes,
+                "events": events,
+            }
+        except (KeyError, ValueError) as exc:
+            raise RegistryError(f"malformed record {keys.job(job_id)}: {record!r}") from exc
+
+    def job_ids(self) -> list[int]:
+        return [int(j) for j in self.redis.zrange(keys.jobs(), 0, -1)]

@@ -1,0 +1,50 @@
+"""Epilog entry point: `singularity-epilog`, configured as slurm.conf's Epilog."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+from singularity_slurm.config import load
+from singularity_slurm.coordinator.registry import Registry, connect
+from singularity_slurm.errors import RegistryError, SingularityError
+from singularity_slurm.jobenv import JobContext, job_run_dir
+from singularity_slurm.node import services
+from singularity_slurm.nodelog import node_logger
+
+
+def run(env: dict[str, str]) -> int:
+    node = env.get("SLURMD_NODENAME", "?")
+    log = node_logger("epilog", node, env.get("SLURM_JOB_ID", "?"))
+    try:
+        config = load()
+        job = JobContext.from_env(env, config)
+    except SingularityError as exc:
+        log.error("cannot clean up the node: %s", exc)
+        return 1
+    status = 0
+    run_dir = job_run_dir(config.paths.state_dir, job.node, job.job_id)
+    if run_dir.exists():
+        stopped = services.stop_all(run_dir)
+        left = [p.stem for p in run_dir.glob("*.pid") if services.running_pid(run_dir, p.stem)]
+        if left:
+            log.error("services still running after stop: %s; leaving %s", left, run_dir)
+            status = 1
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        log.info("stopped services %s, removed %s", stopped or "none", run_dir)
+    try:
+        Registry(connect(config.redis)).record_node_end(job.job_id, job.node, time.time())
+    except (RegistryError, OSError) as exc:
+        log.warning("registry not updated: %s", exc)
+    return status
+
+
+def main() -> int:
+    return run(dict(os.environ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Start and stop per-job node services with pid files that cannot point at a stranger.
+
+A pid file holds the pid and the process's start time (field 22 of /proc/PID/stat); a process whose
+start time differs is another process that got the recycled pid and is never signalled. Services run
+as session leaders, so stopping one stops its whole process group: nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from singularity_slurm.errors import ServiceError
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    argv: Sequence[str]
+    ready_path: Path | None = None  # the service is ready once this exists (e.g. its socket)
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rindex(")") + 2:].split()
+    state = fields[0]
+    if state in {"Z", "X"}:
+        return None
+    return int(fields[19])
+
+
+def pidfile_path(run_dir: Path, name: str) -> Path:
+    return run_dir / f"{name}.pid"
+
+
+def read_pidfile(path: Path) -> tuple[int, int] | None:
+    try:
+        data = json.loads(path.read_text())
+        return int(data["pid"]), int(data["start_time"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def running_pid(run_dir: Path, name: str) -> int | None:
+    """The service's pid when its pid file names a live process that is really it."""
+    entry = read_pidfile(pidfile_path(run_dir, name))
+    if entry is None:
+        return None
+    pid, start_time = entry
+    return pid if proc_start_time(pid) == start_time else None
+
+
+def start(spec: ServiceSpec, run_dir: Path, env: dict[str, str] | None = None,
+          ready_timeout: float = 10.0) -> int:
+    """Start `spec` detached (own session, no inherited fds, log in run_dir) and wait until ready."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    existing = running_pid(run_dir, spec.name)
+    if existing is not None:
+        return existing
+    log = open(run_dir / f"{spec.name}.log", "ab")
+    try:
+        proc = subprocess.Popen(
+            list(spec.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True, close_fds=True, env=env, cwd="/",
+        )
+    except OSError as exc:
+        raise ServiceError(f"cannot start {spec.name} ({spec.argv[0]}): {exc.strerror}") from exc
+    finally:
+        log.close()
+    start_time = proc_start_time(proc.pid)
+    pidfile = pidfile_path(run_dir, spec.name)
+    tmp = pidfile.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": proc.pid, "start_time": start_time, "argv": list(spec.argv)}))
+    os.rename(tmp, pidfile)
+    deadline = time.monotonic() + ready_timeout
+    while spec.ready_path is not None and not spec.ready_path.exists():
+        if proc.poll() is not None:
+            raise ServiceError(
+                f"{spec.name} exited with status {proc.returncode} while starting; "
+                f"see {run_dir / (spec.name + '.log')}"
+            )
+        if time.monotonic() > deadline:
+            stop(run_dir, spec.name)
+            raise ServiceError(f"{spec.name} did not become ready within {ready_timeout:.0f}s")
+        time.sleep(0.02)
+    return proc.pid
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop(run_dir: Path, name: str, timeout: float = 5.0) -> bool:
+    """SIGTERM the service's process group, SIGKILL what is left after `timeout`; False if not running."""
+    pidfile = pidfile_path(run_dir, name)
+    pid = running_pid(run_dir, name)
+    if pid is None:
+        pidfile.unlink(missing_ok=True)
+        return False
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while _group_alive(pid) and time.monotonic() < deadline:
+        _reap(pid)
+        time.sleep(0.02)
+    if _group_alive(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        while _group_alive(pid) and time.monotonic() < deadline + 5:
+            _reap(pid)
+            time.sleep(0.02)
+    pidfile.unlink(missing_ok=True)
+    return True
+
+
+def _reap(pid: int) -> None:
+    """Collect the service if it is our own child (a prolog and epilog in one test process)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def stop_all(run_dir: Path, timeout: float = 5.0) -> list[str]:
+    """Stop every service with a pid file in run_dir; returns the names that were running."""
+    stopped = []
+    for pidfile in sorted(run_dir.glob("*.pid")):
+        if stop(run_dir, pidfile.stem, timeout):
+            stopped.append(pidfile.stem)
+    return stopped

@@ -1,0 +1,64 @@
+"""Prolog entry point: `singularity-prolog`, configured as slurm.conf's Prolog."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from singularity_slurm.config import load
+from singularity_slurm.coordinator.registry import NodeStart, Registry, connect
+from singularity_slurm.errors import RegistryError, SingularityError
+from singularity_slurm.jobenv import JobContext, job_run_dir
+from singularity_slurm.node import services
+from singularity_slurm.nodelog import node_logger
+
+AGENT = "agent"
+
+
+def agent_spec(job: JobContext, run_dir: Path) -> services.ServiceSpec:
+    socket_path = run_dir / "agent.sock"
+    argv = [str(Path(sys.executable).with_name("singularity-node-agent")),
+            "--job-id", str(job.job_id), "--uid", str(job.uid), "--node", job.node,
+            "--socket", str(socket_path)]
+    return services.ServiceSpec(AGENT, argv, ready_path=socket_path)
+
+
+def run(env: dict[str, str]) -> int:
+    node = env.get("SLURMD_NODENAME", "?")
+    log = node_logger("prolog", node, env.get("SLURM_JOB_ID", "?"))
+    try:
+        config = load()
+        job = JobContext.from_env(env, config)
+    except SingularityError as exc:
+        log.error("cannot prepare the node: %s", exc)
+        return 1
+    started_at = time.time()
+    run_dir = job_run_dir(config.paths.state_dir, job.node, job.job_id)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, 0o755)
+        pids = {AGENT: services.start(agent_spec(job, run_dir), run_dir)}
+    except (OSError, SingularityError) as exc:
+        log.error("node cannot run the job: %s", exc)
+        return 1
+    log.info("tier=%s user=%s gpus=%s restart=%d services=%s", job.tier, job.user,
+             ",".join(job.gpus) or "-", job.restart_count, pids)
+    try:
+        Registry(connect(config.redis)).record_node_start(NodeStart(
+            job_id=job.job_id, node=job.node, user=job.user, uid=job.uid, tier=job.tier,
+            partition=job.partition, gpus=job.gpus, restart_count=job.restart_count,
+            started_at=started_at, services=pids,
+        ))
+    except (RegistryError, OSError) as exc:
+        log.warning("job not recorded in the registry (the job runs anyway): %s", exc)
+    return 0
+
+
+def main() -> int:
+    return run(dict(os.environ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

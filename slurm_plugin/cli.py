@@ -1,0 +1,189 @@
+"""`singularityctl`: the command line of Singularity for Slurm."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from singularity_slurm import config as config_mod
+from singularity_slurm.coordinator.registry import Registry, connect
+from singularity_slurm.errors import SingularityError
+
+from . import admin_check, policy, status as status_mod
+from .slurm import SlurmClient
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def _fail(exc: Exception) -> None:
+    click.echo(f"singularityctl: error: {exc}", err=True)
+    sys.exit(1)
+
+
+def _load(path: Path | None) -> config_mod.Config:
+    try:
+        return config_mod.load(path)
+    except SingularityError as exc:
+        _fail(exc)
+        raise  # unreachable
+
+
+@click.group(context_settings=CONTEXT)
+@click.option("--config", "config_path", type=click.Path(path_type=Path), envvar="SINGULARITY_CONFIG",
+              help="Singularity configuration file [default: /etc/singularity-slurm/config.toml].")
+@click.version_option(package_name="singularity-slurm")
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None) -> None:
+    """Transparent preemption, migration and elasticity for deep-learning jobs on Slurm.
+
+    Users pick an SLA tier at submission (`sbatch --singularity-sla=premium|standard|basic`);
+    this command shows what Singularity knows of jobs, and lets admins check and run a cluster.
+    """
+    ctx.obj = config_path
+
+
+@main.command()
+@click.argument("job_id", type=int, required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one object per job) for scripts.")
+@click.pass_obj
+def status(config_path: Path | None, job_id: int | None, as_json: bool) -> None:
+    """Show jobs with their SLA tier, state, restart count, GPUs and nodes.
+
+    Joins Slurm's view (`scontrol show job`) with the registry the prolog writes in Redis. Without
+    access to Redis (its password file is readable by root only) the Slurm view is shown alone.
+    With JOB_ID, shows that job, also after Slurm has forgotten it.
+    """
+    config = _load(config_path)
+    try:
+        jobs = SlurmClient().jobs(job_id)
+    except SingularityError as exc:
+        _fail(exc)
+    registry = None
+    warning = None
+    try:
+        registry = Registry(connect(config.redis, timeout=3))
+    except SingularityError as exc:
+        warning = f"registry unavailable, showing Slurm's view only: {exc}"
+    by_id = {int(j["JobId"]): j for j in jobs if "JobId" in j}
+    ids = sorted(by_id)
+    if job_id is not None and job_id not in by_id:
+        ids = [job_id]
+    merged = []
+    for jid in ids:
+        record = registry.job(jid) if registry else None
+        if jid not in by_id and record is None:
+            _fail(SingularityError(f"no job {jid}: neither Slurm nor the registry knows it"))
+        merged.append(status_mod.merge_job(by_id.get(jid), record, config))
+    if warning:
+        click.echo(f"singularityctl: warning: {warning}", err=True)
+    if as_json:
+        click.echo(json.dumps(merged if job_id is None else merged[0], indent=2))
+    elif merged:
+        click.echo(status_mod.format_table(merged))
+    else:
+        click.echo("no jobs")
+
+
+@main.group()
+def admin() -> None:
+    """Cluster administration: verify and install Singularity's Slurm wiring."""
+
+
+@admin.command("check")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_obj
+def admin_check_cmd(config_path: Path | None, as_json: bool) -> None:
+    """Verify this cluster: Slurm version and preemption keys, tier partitions, Prolog/Epilog,
+    SPANK plugin and job-submit wiring, CRIU >= 4.0 and `criu check`, pycriu, Redis with auth.
+
+    Prints one line per item, PASS or FAIL with the fix; exits 1 when any item fails. Run it as root:
+    `criu check` and the Redis password need it.
+    """
+    config = _load(config_path)
+    results = admin_check.evaluate(admin_check.gather(config, SlurmClient()), config)
+    if as_json:
+        click.echo(json.dumps(admin_check.results_json(results), indent=2))
+    else:
+        for result in results:
+            click.echo(result.line())
+        failed = sum(not r.ok for r in results)
+        click.echo(f"{len(results) - failed} passed, {failed} failed")
+    sys.exit(1 if any(not r.ok for r in results) else 0)
+
+
+@admin.command("install-policy")
+@click.option("--slurm-etc", type=click.Path(path_type=Path), default=Path("/etc/slurm"),
+              show_default=True, envvar="SINGULARITY_SLURM_ETC",
+              help="Folder of slurm.conf, where the policy files go.")
+@click.pass_obj
+def install_policy_cmd(config_path: Path | None, slurm_etc: Path) -> None:
+    """Build the SPANK plugin and write job_submit.lua, cli_filter.lua and the plugstack entry.
+
+    Everything is generated from the Singularity configuration; run it again after changing it.
+    slurm.conf must also name the plugins (JobSubmitPlugins=lua, CliFilterPlugins=lua): see
+    `singularityctl admin check`.
+    """
+    config = _load(config_path)
+    try:
+        changed = policy.install_policy(config, slurm_etc)
+    except (SingularityError, OSError) as exc:
+        _fail(exc)
+    click.echo(f"SPANK plugin: {policy.spank_library_path(config)}")
+    for path in changed:
+        click.echo(f"wrote {path}")
+    if not changed:
+        click.echo("policy files already up to date")
+
+
+@main.group()
+def devcluster() -> None:
+    """A two-node Slurm cluster on this machine (Debian 12/13, root), for demos and tests."""
+
+
+@devcluster.command("up")
+def devcluster_up() -> None:
+    """Install and start munge, Slurm (slurmctld, slurmd n1 and n2 with 4 fake GPUs each), Redis
+    and CRIU, and configure the SLA tiers. Idempotent: running it again, or after a daemon died,
+    ends in the same healthy cluster."""
+    from singularity_slurm.devcluster import cluster
+
+    try:
+        cluster.up(say=lambda m: click.echo(f"devcluster: {m}"))
+    except (SingularityError, OSError) as exc:
+        _fail(exc)
+
+
+@devcluster.command("down")
+def devcluster_down() -> None:
+    """Stop exactly the daemons `up` started, found by their pid files."""
+    from singularity_slurm.devcluster import cluster
+
+    cluster.down(say=lambda m: click.echo(f"devcluster: {m}"))
+
+
+@devcluster.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def devcluster_status(as_json: bool) -> None:
+    """Show each daemon (pid or stopped), each node's state and each partition."""
+    from singularity_slurm.devcluster import cluster
+
+    result = cluster.status()
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        for name, info in result["daemons"].items():
+            state = f"running (pid {info['pid']})" if info["running"] else "stopped"
+            click.echo(f"{name:<12} {state}")
+        for name, node in result["nodes"].items():
+            click.echo(f"node {name:<7} {node['state']}  {node['gres']}"
+                       + (f"  reason: {node['reason']}" if node.get("reason") else ""))
+        for name, part in result["partitions"].items():
+            click.echo(f"partition {name:<9} PriorityTier={part['priority_tier']} "
+                       f"PreemptMode={part['preempt_mode']} GraceTime={part['grace_time']}")
+        if "error" in result:
+            click.echo(f"error: {result['error']}")
+    all_up = all(d["running"] for d in result["daemons"].values())
+    sys.exit(0 if all_up else 3)

@@ -1,0 +1,224 @@
+"""The one narrow interface to Slurm: its command-line tools.
+
+Command lines are built and outputs parsed by pure functions (tested from strings); `SlurmClient`
+is the thin shell that runs them. Slurm's one-line record format (`scontrol show job -o`) is the
+same on every supported release (22.05 to 24.11), while the JSON schemas changed three times in
+that range, so records are read from the one-line form.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from singularity_slurm.errors import SlurmCommandFailed, SlurmError
+
+_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*$")
+
+
+@dataclass(frozen=True, order=True)
+class SlurmVersion:
+    major: int
+    minor: int
+    micro: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.major:02d}.{self.minor:02d}.{self.micro}"
+
+
+def parse_version(text: str) -> SlurmVersion:
+    """`slurm 22.05.8` (or `slurm-wlm 24.11.5`) -> SlurmVersion(22, 5, 8)."""
+    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise SlurmError(f"cannot read a Slurm version from {text.strip()!r}")
+    return SlurmVersion(int(match[1]), int(match[2]), int(match[3] or 0))
+
+
+def parse_record(line: str) -> dict[str, str]:
+    """One `scontrol show … -o` line -> {Key: value}.
+
+    Values may hold spaces (Reason, Command) or '=' (TRES=cpu=1,node=1): a token starts a new key
+    only when what stands before its first '=' looks like a key.
+    """
+    record: dict[str, str] = {}
+    last: str | None = None
+    for token in line.strip().split(" "):
+        key, sep, value = token.partition("=")
+        if sep and _KEY.match(key):
+            record[key] = value
+            last = key
+        elif last is not None:
+            record[last] += " " + token
+    return record
+
+
+def parse_records(text: str) -> list[dict[str, str]]:
+    return [parse_record(line) for line in text.splitlines() if line.strip()]
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """`scontrol show config` ("Key = value" lines) -> {Key: value}."""
+    config: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            config[key.strip()] = value.strip()
+    return config
+
+
+def parse_sbatch_parsable(text: str) -> int:
+    """`sbatch --parsable` prints `JOBID` or `JOBID;CLUSTER`."""
+    first = text.strip().splitlines()[-1] if text.strip() else ""
+    job_id = first.split(";")[0]
+    if not job_id.isdigit():
+        raise SlurmError(f"sbatch printed {text.strip()!r}, not a job id")
+    return int(job_id)
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Slurm hostlist `n[1-3,5],gpu01` -> ['n1', 'n2', 'n3', 'n5', 'gpu01'] (zero padding kept)."""
+    if not expr or expr in {"(null)", "None"}:
+        return []
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", expr):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            width = len(lo) if lo.startswith("0") else 0
+            for n in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{n:0{width}d}{suffix}")
+    return hosts
+
+
+def parse_gpu_count(record: dict[str, str]) -> int:
+    """GPUs per node a job asked for, from TresPerNode (`gres:gpu:2`, `gres/gpu=2`, `gpu:a100:2`)."""
+    tres = record.get("TresPerNode") or record.get("Gres") or ""
+    total = 0
+    for item in tres.split(","):
+        parts = re.split(r"[:/=]", item)
+        if "gpu" in parts:
+            tail = parts[-1]
+            total += int(tail) if tail.isdigit() else 1
+    return total
+
+
+def parse_user(field: str) -> tuple[str, int | None]:
+    """`UserId=alice(1001)` value -> ('alice', 1001)."""
+    match = re.fullmatch(r"([^()]*)\((\d+)\)", field or "")
+    if match:
+        return match[1], int(match[2])
+    return field, None
+
+
+def sbatch_argv(script: str, options: Sequence[str] = (), parsable: bool = True) -> list[str]:
+    argv = ["sbatch"]
+    if parsable:
+        argv.append("--parsable")
+    return [*argv, *options, script]
+
+
+def scontrol_show_job_argv(job_id: int | None = None) -> list[str]:
+    argv = ["scontrol", "show", "job", "-o"]
+    return argv + [str(job_id)] if job_id is not None else argv
+
+
+def requeue_argv(job_id: int, hold: bool = False) -> list[str]:
+    return ["scontrol", "requeuehold" if hold else "requeue", str(job_id)]
+
+
+def release_start_argv(job_id: int) -> list[str]:
+    """Remove Slurm's requeue wait (BeginTime = cred_expire + 1 s): needs root or SlurmUser."""
+    return ["scontrol", "update", f"JobId={job_id}", "StartTime=now"]
+
+
+def is_already_requeued(stderr: str) -> bool:
+    """Newer Slurm requeues a preempted job itself; a second requeue then fails harmlessly."""
+    text = stderr.lower()
+    return "already" in text and "requeue" in text or "job is pending execution" in text
+
+
+def is_invalid_job(stderr: str) -> bool:
+    return "invalid job id" in stderr.lower()
+
+
+class SlurmClient:
+    """Runs Slurm's CLI; every method is a thin shell around the pure functions above."""
+
+    def __init__(self, timeout: float = 30.0, runner=subprocess.run):
+        self.timeout = timeout
+        self._run = runner
+
+    def run(self, argv: list[str], check: bool = True, user: str | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+        full = ["runuser", "-u", user, "--", *argv] if user else argv
+        try:
+            proc = self._run(full, capture_output=True, text=True, timeout=self.timeout,
+                             input=input)
+        except FileNotFoundError as exc:
+            raise SlurmError(
+                f"{argv[0]} not found: install Slurm's client tools (Debian: slurm-client)"
+            ) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise SlurmError(
+                f"`{shlex.join(argv)}` did not answer within {self.timeout:.0f}s: is slurmctld up?"
+            ) from exc
+        if check and proc.returncode != 0:
+            raise SlurmCommandFailed(argv, proc.returncode, proc.stderr or proc.stdout)
+        return proc
+
+    def version(self) -> SlurmVersion:
+        return parse_version(self.run(["scontrol", "--version"]).stdout)
+
+    def config(self) -> dict[str, str]:
+        return parse_config(self.run(["scontrol", "show", "config"]).stdout)
+
+    def jobs(self, job_id: int | None = None) -> list[dict[str, str]]:
+        proc = self.run(scontrol_show_job_argv(job_id), check=False)
+        if proc.returncode != 0:
+            if is_invalid_job(proc.stderr):
+                return []
+            raise SlurmCommandFailed(scontrol_show_job_argv(job_id), proc.returncode, proc.stderr)
+        if proc.stdout.strip() == "No jobs in the system":
+            return []
+        return parse_records(proc.stdout)
+
+    def job(self, job_id: int) -> dict[str, str] | None:
+        jobs = self.jobs(job_id)
+        return jobs[0] if jobs else None
+
+    def partitions(self) -> dict[str, dict[str, str]]:
+        records = parse_records(self.run(["scontrol", "show", "partition", "-o"]).stdout)
+        return {r["PartitionName"]: r for r in records if "PartitionName" in r}
+
+    def nodes(self) -> dict[str, dict[str, str]]:
+        records = parse_records(self.run(["scontrol", "show", "node", "-o"]).stdout)
+        return {r["NodeName"]: r for r in records if "NodeName" in r}
+
+    def submit(self, script: str, options: Iterable[str] = (), user: str | None = None,
+               cwd: str | None = None) -> int:
+        argv = sbatch_argv(script, list(options))
+        if cwd:
+            argv = ["env", "-C", cwd, *argv]
+        return parse_sbatch_parsable(self.run(argv, user=user).stdout)
+
+    def requeue(self, job_id: int) -> bool:
+        """Requeue; False when Slurm already did it (newer releases requeue preempted jobs)."""
+        proc = self.run(requeue_argv(job_id), check=False)
+        if proc.returncode == 0:
+            return True
+        if is_already_requeued(proc.stderr):
+            return False
+        raise SlurmCommandFailed(requeue_argv(job_id), proc.returncode, proc.stderr)
+
+    def release_start(self, job_id: int) -> None:
+        self.run(release_start_argv(job_id))

@@ -1,0 +1,70 @@
+"""Job status: Slurm's view joined with the Redis registry (pure merge, thin gathering)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from singularity_slurm.config import Config
+
+from .slurm import expand_hostlist, parse_gpu_count, parse_user
+
+
+def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config) -> dict[str, Any]:
+    """One job as `status` shows it; either side may be missing (Slurm forgot it, or Redis did)."""
+    out: dict[str, Any] = {}
+    if slurm is not None:
+        user, uid = parse_user(slurm.get("UserId", ""))
+        nodes = expand_hostlist(slurm.get("NodeList", ""))
+        per_node = parse_gpu_count(slurm)
+        partition = slurm.get("Partition", "")
+        out.update({
+            "job_id": int(slurm["JobId"]),
+            "name": slurm.get("JobName"),
+            "user": user,
+            "uid": uid,
+            "partition": partition,
+            "state": slurm.get("JobState"),
+            "reason": slurm.get("Reason") if slurm.get("Reason") not in {None, "None"} else None,
+            "restart_count": int(slurm.get("Restarts", "0") or 0),
+            "requeue": slurm.get("Requeue") == "1",
+            "gpus_per_node": per_node,
+            "gpus": per_node * max(len(nodes), 1) if per_node else 0,
+            "nodes": nodes,
+            "tier": config.tier_of_partition(partition),
+        })
+    if record is not None:
+        out.setdefault("job_id", record["job_id"])
+        out.setdefault("user", record.get("user"))
+        out.setdefault("uid", record.get("uid"))
+        out.setdefault("partition", record.get("partition"))
+        out.setdefault("state", "ENDED" if record.get("state") == "ended" else "UNKNOWN")
+        out.setdefault("restart_count", record.get("restart_count", 0))
+        out.setdefault("nodes", sorted(record.get("nodes", {})))
+        out["tier"] = record.get("tier") or out.get("tier")
+        out["registry"] = {
+            "state": record.get("state"),
+            "restart_count": record.get("restart_count"),
+            "first_started_at": record.get("first_started_at"),
+            "started_at": record.get("started_at"),
+            "ended_at": record.get("ended_at"),
+            "node_gpus": {n: v["gpus"] for n, v in record.get("nodes", {}).items()},
+            "events": record.get("events", []),
+        }
+    else:
+        out["registry"] = None
+    out["managed"] = out.get("tier") is not None
+    return out
+
+
+def format_table(jobs: list[dict[str, Any]]) -> str:
+    headers = ["JOBID", "USER", "TIER", "STATE", "RESTARTS", "GPUS", "NODES", "REASON"]
+    rows = [[
+        str(j.get("job_id")), str(j.get("user") or "-"), str(j.get("tier") or "-"),
+        str(j.get("state") or "-"), str(j.get("restart_count", 0)), str(j.get("gpus") or 0),
+        ",".join(j.get("nodes") or []) or "-", str(j.get("reason") or ""),
+    ] for j in jobs]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)

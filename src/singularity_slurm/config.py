@@ -1,0 +1,248 @@
+"""Admin configuration: one TOML file, parsed once into frozen dataclasses.
+
+Every key, its default and its meaning is listed in `KEYS` (and in contrib/config/config.toml, the
+documented example). Unknown keys and bad values are refused with the valid choices named, so a typo
+never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/singularity-slurm/config.toml")
+CONFIG_ENV = "SINGULARITY_CONFIG"
+
+TIERS = ("premium", "standard", "basic")
+"""The SLA tiers, highest first. Their names are part of the user interface (`--singularity-sla`)."""
+
+SLA_TARGETS = {"premium": 0.95, "standard": 0.70, "basic": 0.0}
+"""Minimum GPU-time fraction T_ideal/T_real per hour each tier promises (basic: best effort)."""
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    name: str
+    partition: str
+    checkpoint_interval_min: int  # 0 = no periodic checkpoints
+
+    @property
+    def sla_target(self) -> float:
+        return SLA_TARGETS[self.name]
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    signal: str  # name without the SIG prefix, as Slurm's --signal takes it
+    warn_time: int  # seconds between the warning signal and the kill
+
+    @property
+    def sbatch_signal(self) -> str:
+        """The `--signal` value the policy adds: to the batch shell only, `warn_time` before the end."""
+        return f"B:{self.signal}@{self.warn_time}"
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    host: str
+    port: int
+    db: int
+    password_file: Path
+
+    def password(self) -> str | None:
+        """The password, or None when the file does not exist (a Redis without auth)."""
+        try:
+            return self.password_file.read_text().strip() or None
+        except FileNotFoundError:
+            return None
+        except PermissionError as exc:
+            raise ConfigError(
+                f"cannot read the Redis password file {self.password_file}: permission denied; "
+                "run as root or ask the admin for read access"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    state_dir: Path  # node-local state: pid files, sockets (one sub-folder per node and job)
+    store_root: Path  # shared checkpoint store
+    prefix: Path  # install prefix: venv, criu, SPANK plugin
+
+
+@dataclass(frozen=True)
+class Config:
+    default_tier: str
+    tiers: dict[str, TierConfig]
+    preemption: PreemptionConfig
+    redis: RedisConfig
+    paths: PathsConfig
+    source: Path | None = field(default=None, compare=False)
+
+    def tier(self, name: str) -> TierConfig:
+        try:
+            return self.tiers[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown SLA tier {name!r}; valid tiers: {', '.join(TIERS)}"
+            ) from None
+
+    def tier_of_partition(self, partition: str | None) -> str | None:
+        """The tier whose partition is `partition`, or None for a partition we do not manage."""
+        for tier in self.tiers.values():
+            if tier.partition == partition:
+                return tier.name
+        return None
+
+
+# key -> (default, type, help). Sections are the part before the dot; tier keys repeat per tier.
+KEYS: dict[str, tuple[Any, type, str]] = {
+    "tiers.default": ("basic", str, "tier of jobs submitted without --singularity-sla"),
+    "tiers.<tier>.partition": (None, str, "Slurm partition that runs the tier (default: its name)"),
+    "tiers.<tier>.checkpoint_interval_min": (
+        None, int, "minutes between periodic checkpoints, 0 = off (premium 0, standard 60, basic 30)"),
+    "preemption.signal": ("USR2", str, "warning signal sent to the batch shell before preemption"),
+    "preemption.warn_time": (60, int, "seconds between the warning signal and the kill; keep <= GraceTime"),
+    "redis.host": ("127.0.0.1", str, "Redis host of the coordinator"),
+    "redis.port": (6379, int, "Redis port"),
+    "redis.db": (0, int, "Redis database number"),
+    "redis.password_file": ("/etc/singularity-slurm/redis.password", str,
+                            "file holding the Redis password (root-readable)"),
+    "paths.state_dir": ("/run/singularity-slurm", str, "node-local state (pid files, sockets)"),
+    "paths.store_root": ("/var/lib/singularity-slurm/store", str, "shared checkpoint store"),
+    "paths.prefix": ("/opt/singularity-slurm", str, "install prefix (venv, criu, SPANK plugin)"),
+}
+
+_INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
+_SECTIONS = {"tiers", "preemption", "redis", "paths"}
+_TIER_KEYS = {"partition", "checkpoint_interval_min"}
+
+
+def _valid(keys: set[str] | list[str]) -> str:
+    return ", ".join(sorted(keys))
+
+
+def _take(section: dict[str, Any], name: str, where: str, typ: type, default: Any) -> Any:
+    value = section.get(name, default)
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise ConfigError(
+            f"{where}.{name} must be {typ.__name__}, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def _check_keys(section: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = set(section) - allowed
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) in [{where}]: {_valid(unknown)}; valid keys: {_valid(allowed)}"
+        )
+
+
+def parse(data: dict[str, Any], source: Path | None = None) -> Config:
+    """Validate a parsed TOML document and build the frozen configuration."""
+    _check_keys(data, _SECTIONS, "top level")
+    for name in _SECTIONS:
+        if not isinstance(data.get(name, {}), dict):
+            raise ConfigError(f"[{name}] must be a table")
+
+    tiers_raw = dict(data.get("tiers", {}))
+    _check_keys(tiers_raw, {"default", *TIERS}, "tiers")
+    default_tier = _take(tiers_raw, "default", "tiers", str, KEYS["tiers.default"][0])
+    if default_tier not in TIERS:
+        raise ConfigError(
+            f"tiers.default = {default_tier!r} is not a tier; valid tiers: {', '.join(TIERS)}"
+        )
+    tiers: dict[str, TierConfig] = {}
+    for name in TIERS:
+        raw = tiers_raw.get(name, {})
+        if not isinstance(raw, dict):
+            raise ConfigError(f"[tiers.{name}] must be a table")
+        _check_keys(raw, _TIER_KEYS, f"tiers.{name}")
+        interval = _take(raw, "checkpoint_interval_min", f"tiers.{name}", int,
+                         _INTERVAL_DEFAULTS[name])
+        if interval < 0:
+            raise ConfigError(f"tiers.{name}.checkpoint_interval_min must be >= 0, got {interval}")
+        tiers[name] = TierConfig(
+            name=name,
+            partition=_take(raw, "partition", f"tiers.{name}", str, name),
+            checkpoint_interval_min=interval,
+        )
+    partitions = [t.partition for t in tiers.values()]
+    if len(set(partitions)) != len(partitions):
+        raise ConfigError(
+            f"each tier needs its own partition, got {dict((t.name, t.partition) for t in tiers.values())}"
+        )
+
+    pre_raw = data.get("preemption", {})
+    _check_keys(pre_raw, {"signal", "warn_time"}, "preemption")
+    sig = _take(pre_raw, "signal", "preemption", str, "USR2").upper().removeprefix("SIG")
+    if not hasattr(signal, f"SIG{sig}") or sig in {"KILL", "STOP"}:
+        raise ConfigError(
+            f"preemption.signal = {sig!r} is not a catchable signal name; use USR1, USR2 or TERM"
+        )
+    warn_time = _take(pre_raw, "warn_time", "preemption", int, 60)
+    if not 1 <= warn_time <= 65535:
+        raise ConfigError(f"preemption.warn_time must be 1..65535 seconds, got {warn_time}")
+
+    redis_raw = data.get("redis", {})
+    _check_keys(redis_raw, {"host", "port", "db", "password_file"}, "redis")
+    port = _take(redis_raw, "port", "redis", int, 6379)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"redis.port must be 1..65535, got {port}")
+
+    paths_raw = data.get("paths", {})
+    _check_keys(paths_raw, {"state_dir", "store_root", "prefix"}, "paths")
+
+    def path(key: str) -> Path:
+        value = Path(_take(paths_raw, key, "paths", str, KEYS[f"paths.{key}"][0]))
+        if not value.is_absolute():
+            raise ConfigError(f"paths.{key} must be an absolute path, got {str(value)!r}")
+        return value
+
+    return Config(
+        default_tier=default_tier,
+        tiers=tiers,
+        preemption=PreemptionConfig(signal=sig, warn_time=warn_time),
+        redis=RedisConfig(
+            host=_take(redis_raw, "host", "redis", str, "127.0.0.1"),
+            port=port,
+            db=_take(redis_raw, "db", "redis", int, 0),
+            password_file=Path(_take(redis_raw, "password_file", "redis", str,
+                                     KEYS["redis.password_file"][0])),
+        ),
+        paths=PathsConfig(state_dir=path("state_dir"), store_root=path("store_root"),
+                          prefix=path("prefix")),
+        source=source,
+    )
+
+
+def config_path() -> Path:
+    return Path(os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+
+
+def load(path: Path | None = None) -> Config:
+    """Load the admin configuration; a missing default file means built-in defaults."""
+    explicit = path is not None or bool(os.environ.get(CONFIG_ENV))
+    path = path or config_path()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"configuration file {path} does not exist") from None
+        return parse({}, source=None)
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration file {path}: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    try:
+        return parse(data, source=path)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
