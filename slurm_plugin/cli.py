@@ -110,7 +110,8 @@ def admin_check_cmd(config_path: Path | None, as_json: bool) -> None:
         for result in results:
             click.echo(result.line())
         failed = sum(not r.ok for r in results)
-        click.echo(f"{len(results) - failed} passed, {failed} failed")
+        click.echo(f"{len(results) - failed} of {len(results)} checks passed"
+                   + (f", {failed} FAILED" if failed else ""))
     sys.exit(1 if any(not r.ok for r in results) else 0)
 
 

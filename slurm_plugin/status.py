@@ -16,6 +16,7 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
         user, uid = parse_user(slurm.get("UserId", ""))
         nodes = expand_hostlist(slurm.get("NodeList", ""))
         per_node = parse_gpu_count(slurm)
+        node_count = int(slurm.get("NumNodes", "1").split("-")[0] or 1)
         partition = slurm.get("Partition", "")
         out.update({
             "job_id": int(slurm["JobId"]),
@@ -28,7 +29,7 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
             "restart_count": int(slurm.get("Restarts", "0") or 0),
             "requeue": slurm.get("Requeue") == "1",
             "gpus_per_node": per_node,
-            "gpus": per_node * max(len(nodes), 1) if per_node else 0,
+            "gpus": per_node * (len(nodes) or node_count),
             "nodes": nodes,
             "tier": config.tier_of_partition(partition),
         })

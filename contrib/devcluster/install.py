@@ -27,7 +27,7 @@ from .render import Layout
 
 SYSTEM_PACKAGES = [
     "munge", "slurmctld", "slurmd", "slurm-client", "libslurm-dev", "redis-server",
-    "gcc", "libc6-dev", "patchelf", "procps", "util-linux",
+    "gcc", "libc6-dev", "patchelf", "procps", "util-linux", "lua5.1",
 ]
 CRIU_SUITE = "trixie"
 CRIU_PACKAGES = [

@@ -1,0 +1,162 @@
+"""Integration fixtures: the running dev cluster (real slurmctld, slurmd, munge, Redis, CRIU).
+
+Jobs are submitted as the non-root job user from a folder of its own, and cancelled at the end of
+each test. `make test` brings the cluster up before pytest runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from singularity_slurm import config as config_mod
+from singularity_slurm.coordinator.registry import Registry, connect
+from singularity_slurm.devcluster.cluster import default_layout
+from singularity_slurm.slurm_plugin.slurm import SlurmClient
+
+pytestmark = pytest.mark.integration
+
+CTL = str(Path(config_mod.load().paths.prefix) / "venv" / "bin" / "singularityctl")
+
+
+def _cluster_up() -> bool:
+    proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    return proc.returncode == 0 and "UP" in proc.stdout
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cluster() -> None:
+    if os.geteuid() != 0 or not _cluster_up():
+        pytest.fail("the dev cluster is not running: run `make test` (it brings the cluster up)")
+
+
+@pytest.fixture(scope="session")
+def layout():
+    return default_layout()
+
+
+@pytest.fixture(scope="session")
+def config() -> config_mod.Config:
+    return config_mod.load()
+
+
+@pytest.fixture(scope="session")
+def slurm() -> SlurmClient:
+    return SlurmClient()
+
+
+@pytest.fixture(scope="session")
+def registry(config) -> Registry:
+    return Registry(connect(config.redis))
+
+
+@pytest.fixture
+def job_user(layout) -> pwd.struct_passwd:
+    return pwd.getpwnam(layout.job_user)
+
+
+@pytest.fixture
+def workdir(job_user) -> Iterator[Path]:
+    path = Path(job_user.pw_dir) / "tests" / uuid.uuid4().hex[:8]
+    path.mkdir(parents=True)
+    for p in (path.parent, path):
+        os.chown(p, job_user.pw_uid, job_user.pw_gid)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_as(user: str, argv: list[str], cwd: Path | None = None,
+           check: bool = False) -> subprocess.CompletedProcess[str]:
+    full = ["runuser", "-u", user, "--", *argv]
+    if cwd:
+        full = ["runuser", "-u", user, "--", "env", "-C", str(cwd), *argv]
+    return subprocess.run(full, capture_output=True, text=True, check=check, timeout=60)
+
+
+class Jobs:
+    """Submits jobs as the job user and cancels them all at the end of the test."""
+
+    def __init__(self, user: str, workdir: Path, slurm: SlurmClient):
+        self.user = user
+        self.workdir = workdir
+        self.slurm = slurm
+        self.ids: list[int] = []
+
+    def script(self, name: str, body: str) -> Path:
+        path = self.workdir / name
+        path.write_text(body)
+        os.chmod(path, 0o755)
+        shutil.chown(path, self.user)
+        return path
+
+    def sbatch(self, script: Path, *options: str) -> subprocess.CompletedProcess[str]:
+        proc = run_as(self.user, ["sbatch", "--parsable", *options, str(script)], cwd=self.workdir)
+        if proc.returncode == 0:
+            self.ids.append(int(proc.stdout.strip().split(";")[0]))
+        return proc
+
+    def submit(self, script: Path, *options: str) -> int:
+        proc = self.sbatch(script, *options)
+        assert proc.returncode == 0, proc.stderr
+        return self.ids[-1]
+
+    def record(self, job_id: int) -> dict[str, str]:
+        record = self.slurm.job(job_id)
+        assert record is not None, f"Slurm does not know job {job_id}"
+        return record
+
+    def wait(self, job_id: int, until: Callable[[dict[str, str]], bool], what: str,
+             timeout: float = 90) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            record = self.record(job_id)
+            if until(record):
+                return record
+            if time.monotonic() > deadline:
+                pytest.fail(f"job {job_id} never became {what}: {record}")
+            time.sleep(0.5)
+
+    def wait_state(self, job_id: int, *states: str, timeout: float = 90) -> dict[str, str]:
+        return self.wait(job_id, lambda r: r.get("JobState") in states, "/".join(states), timeout)
+
+    def wait_for_file(self, name: str, timeout: float = 90) -> Path:
+        path = self.workdir / name
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                pytest.fail(f"{path} did not appear within {timeout:.0f}s")
+            time.sleep(0.2)
+        return path
+
+    def cancel_all(self) -> None:
+        if self.ids:
+            subprocess.run(["scancel", *map(str, self.ids)], capture_output=True)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                states = [(self.slurm.job(j) or {}).get("JobState") for j in self.ids]
+                if all(s in (None, "CANCELLED", "COMPLETED", "FAILED") for s in states):
+                    break
+                time.sleep(0.5)
+
+
+@pytest.fixture
+def jobs(job_user, workdir, slurm) -> Iterator[Jobs]:
+    jobs = Jobs(job_user.pw_name, workdir, slurm)
+    yield jobs
+    jobs.cancel_all()
+
+
+def ctl_json(*args: str, user: str | None = None) -> object:
+    argv = [CTL, *args, "--json"]
+    proc = run_as(user, argv) if user else subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)

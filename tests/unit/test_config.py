@@ -1,0 +1,432 @@
+"""The admin configuration: defaults, validation with the valid choices named, and loading."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from singularity_slurm import config as config_module
+from singularity_slurm.config import (
+    CONFIG_ENV,
+    TIERS,
+    Config,
+    PreemptionConfig,
+    RedisConfig,
+    load,
+    parse,
+)
+from singularity_slurm.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _no_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+
+
+def config_error(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse(data)
+    return str(info.value)
+
+
+# --- defaults -------------------------------------------------------------------------------------
+
+
+def test_empty_document_gives_three_tiers_highest_first() -> None:
+    config = parse({})
+
+    assert tuple(config.tiers) == ("premium", "standard", "basic")
+    assert TIERS == ("premium", "standard", "basic")
+
+
+def test_each_tier_runs_in_the_partition_named_after_it_by_default() -> None:
+    config = parse({})
+
+    assert {name: tier.partition for name, tier in config.tiers.items()} == {
+        "premium": "premium", "standard": "standard", "basic": "basic",
+    }
+
+
+def test_default_tier_is_basic() -> None:
+    assert parse({}).default_tier == "basic"
+
+
+def test_default_checkpoint_intervals_per_tier() -> None:
+    config = parse({})
+
+    assert {name: tier.checkpoint_interval_min for name, tier in config.tiers.items()} == {
+        "premium": 0, "standard": 60, "basic": 30,
+    }
+
+
+def test_default_preemption_warns_with_usr2_sixty_seconds_ahead() -> None:
+    config = parse({})
+
+    assert config.preemption == PreemptionConfig(signal="USR2", warn_time=60)
+    assert config.preemption.sbatch_signal == "B:USR2@60"
+
+
+def test_default_redis_and_paths() -> None:
+    config = parse({})
+
+    assert config.redis == RedisConfig(
+        host="127.0.0.1", port=6379, db=0,
+        password_file=Path("/etc/singularity-slurm/redis.password"),
+    )
+    assert config.paths.state_dir == Path("/run/singularity-slurm")
+    assert config.paths.store_root == Path("/var/lib/singularity-slurm/store")
+    assert config.paths.prefix == Path("/opt/singularity-slurm")
+    assert config.source is None
+
+
+def test_sla_targets_per_tier() -> None:
+    config = parse({})
+
+    assert [config.tiers[t].sla_target for t in TIERS] == [0.95, 0.70, 0.0]
+
+
+def test_config_is_frozen() -> None:
+    config = parse({})
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.default_tier = "premium"  # type: ignore[misc]
+
+
+# --- values that are accepted ---------------------------------------------------------------------
+
+
+def test_custom_partitions_and_default_tier_are_taken() -> None:
+    config = parse({"tiers": {
+        "default": "standard",
+        "premium": {"partition": "gpu-hi", "checkpoint_interval_min": 15},
+        "standard": {"partition": "gpu"},
+        "basic": {"partition": "scavenge"},
+    }})
+
+    assert config.default_tier == "standard"
+    assert config.tiers["premium"].partition == "gpu-hi"
+    assert config.tiers["premium"].checkpoint_interval_min == 15
+    assert config.tiers["standard"].partition == "gpu"
+    assert config.tiers["basic"].partition == "scavenge"
+
+
+@pytest.mark.parametrize(("given", "stored"), [
+    ("USR1", "USR1"), ("usr1", "USR1"), ("SIGUSR2", "USR2"), ("sigterm", "TERM"),
+])
+def test_signal_is_stored_upper_case_without_sig_prefix(given: str, stored: str) -> None:
+    config = parse({"preemption": {"signal": given, "warn_time": 30}})
+
+    assert config.preemption.signal == stored
+    assert config.preemption.sbatch_signal == f"B:{stored}@30"
+
+
+@pytest.mark.parametrize("warn_time", [1, 65535])
+def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
+    assert parse({"preemption": {"warn_time": warn_time}}).preemption.warn_time == warn_time
+
+
+# --- unknown keys are refused with the valid ones listed ------------------------------------------
+
+
+def test_unknown_top_level_section_lists_valid_sections() -> None:
+    assert config_error({"tier": {}}) == (
+        "unknown key(s) in [top level]: tier; valid keys: paths, preemption, redis, tiers"
+    )
+
+
+def test_unknown_redis_key_lists_valid_redis_keys() -> None:
+    assert config_error({"redis": {"hots": "10.0.0.1"}}) == (
+        "unknown key(s) in [redis]: hots; valid keys: db, host, password_file, port"
+    )
+
+
+def test_unknown_preemption_key_lists_valid_keys() -> None:
+    assert config_error({"preemption": {"warntime": 30}}) == (
+        "unknown key(s) in [preemption]: warntime; valid keys: signal, warn_time"
+    )
+
+
+def test_unknown_paths_key_lists_valid_keys() -> None:
+    assert config_error({"paths": {"store": "/x"}}) == (
+        "unknown key(s) in [paths]: store; valid keys: prefix, state_dir, store_root"
+    )
+
+
+def test_unknown_tier_is_refused_with_the_valid_tier_keys() -> None:
+    assert config_error({"tiers": {"gold": {"partition": "gold"}}}) == (
+        "unknown key(s) in [tiers]: gold; valid keys: basic, default, premium, standard"
+    )
+
+
+def test_unknown_key_inside_a_tier_lists_valid_tier_keys() -> None:
+    assert config_error({"tiers": {"premium": {"partitions": "x"}}}) == (
+        "unknown key(s) in [tiers.premium]: partitions; "
+        "valid keys: checkpoint_interval_min, partition"
+    )
+
+
+def test_several_unknown_keys_are_all_named() -> None:
+    message = config_error({"redis": {"hots": "h", "prot": 1}})
+
+    assert message.startswith("unknown key(s) in [redis]: hots, prot; valid keys: ")
+
+
+def test_section_that_is_not_a_table_is_refused() -> None:
+    assert config_error({"redis": "127.0.0.1"}) == "[redis] must be a table"
+
+
+def test_tier_that_is_not_a_table_is_refused() -> None:
+    assert config_error({"tiers": {"premium": "gpu"}}) == "[tiers.premium] must be a table"
+
+
+# --- bad values -----------------------------------------------------------------------------------
+
+
+def test_default_tier_that_is_not_a_tier_lists_the_tiers() -> None:
+    assert config_error({"tiers": {"default": "gold"}}) == (
+        "tiers.default = 'gold' is not a tier; valid tiers: premium, standard, basic"
+    )
+
+
+@pytest.mark.parametrize(("given", "shown"), [
+    ("KILL", "KILL"), ("SIGKILL", "KILL"), ("STOP", "STOP"), ("sigstop", "STOP"),
+    ("NOPE", "NOPE"), ("", ""), ("USR3", "USR3"),
+])
+def test_signal_that_cannot_be_caught_or_does_not_exist_is_refused(given: str, shown: str) -> None:
+    assert config_error({"preemption": {"signal": given}}) == (
+        f"preemption.signal = {shown!r} is not a catchable signal name; use USR1, USR2 or TERM"
+    )
+
+
+def test_signal_module_constant_that_is_not_a_signal_is_refused() -> None:
+    # `signal.SIG_DFL` (like SIG_IGN and SIG_BLOCK) is a handler constant, not a signal: accepted,
+    # it would make every batch job carry `--signal=B:_DFL@60`, which sbatch refuses.
+    assert config_error({"preemption": {"signal": "SIG_DFL"}}) == (
+        "preemption.signal = '_DFL' is not a catchable signal name; use USR1, USR2 or TERM"
+    )
+
+
+def test_signal_given_as_number_is_refused_with_its_type() -> None:
+    assert config_error({"preemption": {"signal": 12}}) == (
+        "preemption.signal must be str, got 12 (int)"
+    )
+
+
+@pytest.mark.parametrize("warn_time", [0, -5, 65536])
+def test_warn_time_out_of_range_is_refused(warn_time: int) -> None:
+    assert config_error({"preemption": {"warn_time": warn_time}}) == (
+        f"preemption.warn_time must be 1..65535 seconds, got {warn_time}"
+    )
+
+
+def test_two_tiers_in_one_partition_are_refused_with_the_mapping_shown() -> None:
+    message = config_error({"tiers": {
+        "premium": {"partition": "gpu"}, "standard": {"partition": "gpu"},
+    }})
+
+    assert message == (
+        "each tier needs its own partition, got "
+        "{'premium': 'gpu', 'standard': 'gpu', 'basic': 'basic'}"
+    )
+
+
+def test_tier_taking_another_tiers_default_partition_is_refused() -> None:
+    message = config_error({"tiers": {"standard": {"partition": "premium"}}})
+
+    assert message.startswith("each tier needs its own partition, got ")
+
+
+@pytest.mark.parametrize("key", ["state_dir", "store_root", "prefix"])
+def test_relative_path_is_refused(key: str) -> None:
+    assert config_error({"paths": {key: "relative/dir"}}) == (
+        f"paths.{key} must be an absolute path, got 'relative/dir'"
+    )
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"redis": {"port": True}}, "redis.port must be int, got True (bool)"),
+    ({"redis": {"db": False}}, "redis.db must be int, got False (bool)"),
+    ({"preemption": {"warn_time": True}}, "preemption.warn_time must be int, got True (bool)"),
+    ({"tiers": {"basic": {"checkpoint_interval_min": True}}},
+     "tiers.basic.checkpoint_interval_min must be int, got True (bool)"),
+])
+def test_bool_where_an_int_is_expected_is_refused(data: dict, message: str) -> None:
+    assert config_error(data) == message
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"redis": {"port": "6379"}}, "redis.port must be int, got '6379' (str)"),
+    ({"redis": {"host": 127}}, "redis.host must be str, got 127 (int)"),
+    ({"tiers": {"premium": {"partition": 1}}}, "tiers.premium.partition must be str, got 1 (int)"),
+    ({"paths": {"prefix": ["/opt"]}}, "paths.prefix must be str, got ['/opt'] (list)"),
+])
+def test_value_of_the_wrong_type_is_refused_with_both_types(data: dict, message: str) -> None:
+    assert config_error(data) == message
+
+
+@pytest.mark.parametrize("port", [0, 65536])
+def test_redis_port_out_of_range_is_refused(port: int) -> None:
+    assert config_error({"redis": {"port": port}}) == f"redis.port must be 1..65535, got {port}"
+
+
+def test_negative_checkpoint_interval_is_refused() -> None:
+    assert config_error({"tiers": {"standard": {"checkpoint_interval_min": -1}}}) == (
+        "tiers.standard.checkpoint_interval_min must be >= 0, got -1"
+    )
+
+
+# --- tier lookups ---------------------------------------------------------------------------------
+
+
+def test_tier_of_partition_maps_each_tier_partition_back() -> None:
+    config = parse({"tiers": {"premium": {"partition": "gpu-hi"}}})
+
+    assert config.tier_of_partition("gpu-hi") == "premium"
+    assert config.tier_of_partition("standard") == "standard"
+    assert config.tier_of_partition("basic") == "basic"
+
+
+@pytest.mark.parametrize("partition", ["debug", "premium", "", None])
+def test_tier_of_unmanaged_or_missing_partition_is_none(partition: str | None) -> None:
+    config = parse({"tiers": {"premium": {"partition": "gpu-hi"}}})
+
+    assert config.tier_of_partition(partition) is None
+
+
+def test_tier_lookup_returns_the_tier_config() -> None:
+    tier = parse({}).tier("standard")
+
+    assert (tier.name, tier.partition, tier.checkpoint_interval_min) == ("standard", "standard", 60)
+
+
+def test_unknown_tier_lookup_lists_the_tiers() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse({}).tier("gold")
+
+    assert str(info.value) == "unknown SLA tier 'gold'; valid tiers: premium, standard, basic"
+
+
+# --- the Redis password file ----------------------------------------------------------------------
+
+
+def redis_with_password_file(path: Path) -> RedisConfig:
+    return parse({"redis": {"password_file": str(path)}}).redis
+
+
+def test_redis_password_is_read_stripped(tmp_path: Path) -> None:
+    (tmp_path / "pw").write_text("s3cret\n")
+
+    assert redis_with_password_file(tmp_path / "pw").password() == "s3cret"
+
+
+def test_missing_or_empty_password_file_means_no_password(tmp_path: Path) -> None:
+    (tmp_path / "empty").write_text("\n")
+
+    assert redis_with_password_file(tmp_path / "absent").password() is None
+    assert redis_with_password_file(tmp_path / "empty").password() is None
+
+
+# --- loading from a file --------------------------------------------------------------------------
+
+
+def test_load_reads_the_given_file_and_records_its_source(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[tiers]\ndefault = "premium"\n\n'
+                    '[preemption]\nsignal = "USR1"\nwarn_time = 90\n')
+
+    config = load(path)
+
+    assert config.source == path
+    assert config.default_tier == "premium"
+    assert config.preemption.sbatch_signal == "B:USR1@90"
+
+
+def test_source_does_not_take_part_in_equality(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("")
+
+    assert load(path) == parse({})
+
+
+def test_load_of_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("[tiers\ndefault = basic\n")
+
+    with pytest.raises(ConfigError) as info:
+        load(path)
+
+    assert str(info.value).startswith(f"{path} is not valid TOML: ")
+    assert isinstance(info.value.__cause__, Exception)
+
+
+def test_load_of_a_file_that_is_not_utf8_says_it_is_not_toml(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'[redis]\nhost = "\xff"\n')
+
+    with pytest.raises(ConfigError, match=r"is not valid TOML"):
+        load(path)
+
+
+def test_load_of_a_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+
+    with pytest.raises(ConfigError) as info:
+        load(path)
+
+    assert str(info.value) == f"configuration file {path} does not exist"
+
+
+def test_load_of_a_missing_file_named_by_the_environment_is_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "absent.toml"
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+
+    with pytest.raises(ConfigError) as info:
+        load()
+
+    assert str(info.value) == f"configuration file {path} does not exist"
+
+
+def test_load_takes_the_file_named_by_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[tiers]\ndefault = "standard"\n')
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+
+    config = load()
+
+    assert config.source == path
+    assert config.default_tier == "standard"
+
+
+def test_missing_default_file_means_built_in_defaults(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+
+    config = load()
+
+    assert config == parse({})
+    assert config.source is None
+
+
+def test_load_of_a_directory_says_it_cannot_read_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path)
+
+    assert str(info.value) == f"cannot read configuration file {tmp_path}: Is a directory"
+
+
+def test_validation_error_from_a_file_is_prefixed_with_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("[redis]\nport = 0\n")
+
+    with pytest.raises(ConfigError) as info:
+        load(path)
+
+    assert str(info.value) == f"{path}: redis.port must be 1..65535, got 0"
+
+
+def test_loaded_config_is_a_config() -> None:
+    assert isinstance(parse({}), Config)

@@ -1,0 +1,327 @@
+"""Per-job node services, with real processes: pid files that cannot point at a stranger."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from singularity_slurm.errors import ServiceError
+from singularity_slurm.node.services import (
+    ServiceSpec,
+    pidfile_path,
+    proc_start_time,
+    read_pidfile,
+    running_pid,
+    start,
+    stop,
+    stop_all,
+)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def alive(pid: int) -> bool:
+    """A live process (zombies count as gone: they run nothing and wait only to be reaped)."""
+    return proc_start_time(pid) is not None
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "run"
+    yield path
+    if path.is_dir():
+        stop_all(path, timeout=1.0)
+
+
+@pytest.fixture
+def own_processes() -> Iterator[list[subprocess.Popen]]:
+    """Processes a test starts itself; killed and reaped afterwards."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=5)
+
+
+SLEEPER = ServiceSpec("sleeper", ["sleep", "60"])
+
+
+# --- start ----------------------------------------------------------------------------------------
+
+
+def test_start_writes_a_pid_file_with_the_process_start_time(run_dir: Path) -> None:
+    pid = start(SLEEPER, run_dir)
+
+    assert json.loads(pidfile_path(run_dir, "sleeper").read_text()) == {
+        "pid": pid, "start_time": proc_start_time(pid), "argv": ["sleep", "60"],
+    }
+    assert read_pidfile(run_dir / "sleeper.pid") == (pid, proc_start_time(pid))
+
+
+def test_running_pid_finds_the_started_service(run_dir: Path) -> None:
+    pid = start(SLEEPER, run_dir)
+
+    assert running_pid(run_dir, "sleeper") == pid
+    assert alive(pid)
+
+
+def test_service_runs_in_its_own_session(run_dir: Path) -> None:
+    pid = start(SLEEPER, run_dir)
+
+    assert os.getsid(pid) == pid
+    assert os.getpgid(pid) == pid
+
+
+def test_service_gets_the_given_environment_root_cwd_and_a_log(run_dir: Path) -> None:
+    spec = ServiceSpec("talker", ["sh", "-c", 'echo "$GREETING in $(pwd)"; exec sleep 60'])
+
+    start(spec, run_dir, env={"GREETING": "hello", "PATH": os.environ["PATH"]})
+
+    log = run_dir / "talker.log"
+    assert wait_for(lambda: log.read_text() == "hello in /\n"), log.read_text()
+
+
+def test_second_start_returns_the_running_service(run_dir: Path) -> None:
+    first = start(SLEEPER, run_dir)
+
+    assert start(SLEEPER, run_dir) == first
+    assert sorted(p.name for p in run_dir.glob("*.pid")) == ["sleeper.pid"]
+
+
+def test_start_waits_until_the_ready_path_exists(run_dir: Path) -> None:
+    ready = run_dir / "ready"
+    spec = ServiceSpec("slow", ["sh", "-c", f"sleep 0.3; touch {ready}; exec sleep 60"],
+                       ready_path=ready)
+
+    start(spec, run_dir)
+
+    assert ready.exists()
+
+
+def test_service_that_exits_while_starting_is_an_error(run_dir: Path) -> None:
+    spec = ServiceSpec("crasher", ["sh", "-c", "echo boom >&2; exit 3"],
+                       ready_path=run_dir / "never")
+
+    with pytest.raises(ServiceError) as info:
+        start(spec, run_dir)
+
+    assert str(info.value) == (
+        f"crasher exited with status 3 while starting; see {run_dir / 'crasher.log'}"
+    )
+    assert (run_dir / "crasher.log").read_text() == "boom\n"
+    assert running_pid(run_dir, "crasher") is None
+
+
+def test_service_that_never_gets_ready_is_stopped_and_an_error(run_dir: Path) -> None:
+    spec = ServiceSpec("stuck", ["sleep", "60"], ready_path=run_dir / "never")
+
+    with pytest.raises(ServiceError) as info:
+        start(spec, run_dir, ready_timeout=1.0)
+
+    assert str(info.value) == "stuck did not become ready within 1s"
+    assert not pidfile_path(run_dir, "stuck").exists()
+
+
+def test_program_that_does_not_exist_is_an_error(run_dir: Path) -> None:
+    spec = ServiceSpec("ghost", ["/nonexistent/ghost-agent"])
+
+    with pytest.raises(ServiceError) as info:
+        start(spec, run_dir)
+
+    assert str(info.value) == (
+        "cannot start ghost (/nonexistent/ghost-agent): No such file or directory"
+    )
+    assert not pidfile_path(run_dir, "ghost").exists()
+
+
+def test_program_whose_name_holds_spaces_and_parentheses_is_tracked(
+        run_dir: Path, tmp_path: Path) -> None:
+    # /proc/PID/stat shows the name in parentheses; a name like this one must not shift the fields.
+    odd = tmp_path / "x) (y z"
+    odd.symlink_to("/bin/sleep")
+    spec = ServiceSpec("odd", [str(odd), "60"])
+
+    pid = start(spec, run_dir)
+
+    assert running_pid(run_dir, "odd") == pid
+    assert stop(run_dir, "odd") is True
+    assert not alive(pid)
+
+
+# --- stop -----------------------------------------------------------------------------------------
+
+
+def test_stop_ends_the_service_and_removes_its_pid_file(run_dir: Path) -> None:
+    pid = start(SLEEPER, run_dir)
+
+    assert stop(run_dir, "sleeper") is True
+
+    assert not alive(pid)
+    assert not pidfile_path(run_dir, "sleeper").exists()
+    assert running_pid(run_dir, "sleeper") is None
+
+
+def test_stop_of_a_service_that_is_not_running_is_false(run_dir: Path) -> None:
+    run_dir.mkdir()
+
+    assert stop(run_dir, "sleeper") is False
+
+
+def test_stop_kills_the_whole_process_group(run_dir: Path) -> None:
+    child_file = run_dir / "child.pid"
+    script = f"sleep 60 & echo $! > {child_file}.tmp; mv {child_file}.tmp {child_file}; wait"
+    spec = ServiceSpec("family", ["sh", "-c", script], ready_path=child_file)
+    leader = start(spec, run_dir)
+    child = int(child_file.read_text())
+    assert alive(leader) and alive(child)
+
+    assert stop(run_dir, "family", timeout=2.0) is True
+
+    assert not alive(leader)
+    assert not alive(child)
+
+
+def test_stop_ends_what_a_dead_leader_left_in_its_group(run_dir: Path) -> None:
+    # The leader has exited, but a child it started still runs in the service's process group. The
+    # group id cannot be handed to another process while the group has members, so signalling it is
+    # safe; "nothing is left behind" (module docstring) requires it. Today stop() sees the dead
+    # leader, answers "not running" and leaves the child running.
+    child_file = run_dir / "child.pid"
+    script = f"sleep 60 & echo $! > {child_file}.tmp; mv {child_file}.tmp {child_file}; exit 0"
+    leader = start(ServiceSpec("orphaner", ["sh", "-c", script], ready_path=child_file), run_dir)
+    child = int(child_file.read_text())
+    try:
+        assert wait_for(lambda: not alive(leader))
+        assert os.getpgid(child) == leader
+
+        stop(run_dir, "orphaner", timeout=1.0)
+
+        assert not alive(child)
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_stop_kills_a_service_that_ignores_sigterm(run_dir: Path) -> None:
+    ready = run_dir / "ready"
+    script = f"trap '' TERM; touch {ready}; while :; do sleep 1; done"
+    spec = ServiceSpec("stubborn", ["sh", "-c", script], ready_path=ready)
+    pid = start(spec, run_dir)
+
+    assert stop(run_dir, "stubborn", timeout=0.5) is True
+
+    assert not alive(pid)
+
+
+def test_pid_file_of_a_dead_process_is_not_trusted_and_is_removed(run_dir: Path) -> None:
+    proc = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    dead = int(proc.stdout)
+    run_dir.mkdir()
+    pidfile_path(run_dir, "gone").write_text(json.dumps({"pid": dead, "start_time": 1}))
+
+    assert running_pid(run_dir, "gone") is None
+    assert stop(run_dir, "gone") is False
+    assert not pidfile_path(run_dir, "gone").exists()
+
+
+def test_pid_file_naming_this_process_with_another_start_time_is_not_trusted(
+        run_dir: Path) -> None:
+    run_dir.mkdir()
+    me = os.getpid()
+    pidfile_path(run_dir, "impostor").write_text(
+        json.dumps({"pid": me, "start_time": proc_start_time(me) - 1}))
+
+    assert running_pid(run_dir, "impostor") is None
+
+
+def test_stop_never_signals_a_stranger_that_got_a_recycled_pid(
+        run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+    # A live group leader, as the service was; only its start time tells it apart.
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    own_processes.append(stranger)
+    assert wait_for(lambda: alive(stranger.pid))
+    run_dir.mkdir()
+    pidfile_path(run_dir, "agent").write_text(json.dumps(
+        {"pid": stranger.pid, "start_time": proc_start_time(stranger.pid) + 1}))
+
+    assert stop(run_dir, "agent", timeout=0.5) is False
+
+    assert stranger.poll() is None
+    assert not pidfile_path(run_dir, "agent").exists()
+
+
+@pytest.mark.parametrize("content", [
+    "", "garbage", "{}", "[1, 2]", '"text"', '{"pid": 1}', '{"pid": "one", "start_time": 1}',
+    '{"pid": 1, "start_time": null}',
+])
+def test_unreadable_pid_file_means_not_running(run_dir: Path, content: str) -> None:
+    run_dir.mkdir()
+    pidfile_path(run_dir, "broken").write_text(content)
+
+    assert read_pidfile(pidfile_path(run_dir, "broken")) is None
+    assert running_pid(run_dir, "broken") is None
+    assert stop(run_dir, "broken") is False
+
+
+# --- stop_all -------------------------------------------------------------------------------------
+
+
+def test_stop_all_stops_every_running_service_and_clears_stale_pid_files(run_dir: Path) -> None:
+    pids = [start(ServiceSpec(name, ["sleep", "60"]), run_dir) for name in ("b-agent", "a-proxy")]
+    pidfile_path(run_dir, "stale").write_text(json.dumps({"pid": 1, "start_time": -1}))
+
+    assert stop_all(run_dir) == ["a-proxy", "b-agent"]
+
+    assert [p for p in pids if alive(p)] == []
+    assert list(run_dir.glob("*.pid")) == []
+
+
+def test_stop_all_of_an_empty_folder_stops_nothing(run_dir: Path) -> None:
+    run_dir.mkdir()
+
+    assert stop_all(run_dir) == []
+
+
+# --- /proc start times ----------------------------------------------------------------------------
+
+
+def test_start_time_of_this_process_is_stable() -> None:
+    first = proc_start_time(os.getpid())
+
+    assert isinstance(first, int)
+    assert proc_start_time(os.getpid()) == first
+
+
+def test_start_time_of_a_zombie_is_none(own_processes: list[subprocess.Popen]) -> None:
+    proc = subprocess.Popen(["sh", "-c", "exit 0"])
+    own_processes.append(proc)
+
+    def state() -> str:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2]
+
+    assert wait_for(lambda: state() == "Z")
+    assert proc_start_time(proc.pid) is None
+
+
+def test_start_time_of_no_process_is_none() -> None:
+    with open("/proc/sys/kernel/pid_max") as handle:
+        pid_max = int(handle.read())
+
+    assert proc_start_time(pid_max + 1) is None
+
