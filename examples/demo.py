@@ -32,7 +32,7 @@ on_warning() {
   exit 0
 }
 trap 'on_warning USR2' USR2
-echo "[train] start on $(hostname) nodes=$SLURM_JOB_NODELIST tier=$SINGULARITY_SLA restart=${SLURM_RESTART_COUNT:-0}"
+echo "[train] start: nodes=$SLURM_JOB_NODELIST tier=$SINGULARITY_SLA restart=${SLURM_RESTART_COUNT:-0}"
 step=0
 while true; do step=$((step + 1)); echo "[train] step $step"; sleep 1; done
 """

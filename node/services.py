@@ -107,10 +107,26 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _orphaned_group(run_dir: Path, name: str) -> int | None:
+    """The group id of a service whose leader died but whose children live on.
+
+    Linux does not reuse a pid while a process group of that id exists, so a live group whose id is
+    the dead leader's pid is still the service's. A live process with that pid and another start
+    time is a stranger (the group emptied and the pid was recycled): never ours.
+    """
+    entry = read_pidfile(pidfile_path(run_dir, name))
+    if entry is None:
+        return None
+    pid, _ = entry
+    if proc_start_time(pid) is None and _group_alive(pid):
+        return pid
+    return None
+
+
 def stop(run_dir: Path, name: str, timeout: float = 5.0) -> bool:
     """SIGTERM the service's process group, SIGKILL what is left after `timeout`; False if not running."""
     pidfile = pidfile_path(run_dir, name)
-    pid = running_pid(run_dir, name)
+    pid = running_pid(run_dir, name) or _orphaned_group(run_dir, name)
     if pid is None:
         pidfile.unlink(missing_ok=True)
         return False

@@ -34,6 +34,9 @@ def run(env: dict[str, str]) -> int:
     except SingularityError as exc:
         log.error("cannot prepare the node: %s", exc)
         return 1
+    if job.tier is None:
+        log.info("partition %s belongs to no SLA tier: job not managed", job.partition)
+        return 0
     started_at = time.time()
     run_dir = job_run_dir(config.paths.state_dir, job.node, job.job_id)
     try:

@@ -186,7 +186,7 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
         add(Result("redis", False, facts.redis_error,
                    f"start Redis and check {config.redis.password_file}"))
     else:
-        add(Result("redis", True, f"{config.redis.host}:{config.redis.port} answers with auth"))
+        add(Result("redis", True, f"{config.redis.host}:{config.redis.port} answers"))
         add(Result("redis auth", bool(facts.redis_requires_auth),
                    "refuses unauthenticated clients" if facts.redis_requires_auth
                    else "accepts clients without a password",

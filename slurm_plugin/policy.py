@@ -78,6 +78,8 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> bool:
     """Write `text` to `path` via a temp file and rename; False when the content was already there."""
     try:
         if path.read_text() == text:
+            if path.stat().st_mode & 0o7777 != mode:
+                os.chmod(path, mode)
             return False
     except (FileNotFoundError, UnicodeDecodeError):
         pass

@@ -16,6 +16,7 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
         user, uid = parse_user(slurm.get("UserId", ""))
         nodes = expand_hostlist(slurm.get("NodeList", ""))
         per_node = parse_gpu_count(slurm)
+        per_job = parse_gpu_count({"TresPerNode": slurm.get("TresPerJob", "")})
         node_count = int(slurm.get("NumNodes", "1").split("-")[0] or 1)
         partition = slurm.get("Partition", "")
         out.update({
@@ -29,7 +30,7 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
             "restart_count": int(slurm.get("Restarts", "0") or 0),
             "requeue": slurm.get("Requeue") == "1",
             "gpus_per_node": per_node,
-            "gpus": per_node * (len(nodes) or node_count),
+            "gpus": per_job or per_node * (len(nodes) or node_count),
             "nodes": nodes,
             "tier": config.tier_of_partition(partition),
         })

@@ -182,7 +182,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     pre_raw = data.get("preemption", {})
     _check_keys(pre_raw, {"signal", "warn_time"}, "preemption")
     sig = _take(pre_raw, "signal", "preemption", str, "USR2").upper().removeprefix("SIG")
-    if not hasattr(signal, f"SIG{sig}") or sig in {"KILL", "STOP"}:
+    if f"SIG{sig}" not in signal.Signals.__members__ or sig in {"KILL", "STOP"}:
         raise ConfigError(
             f"preemption.signal = {sig!r} is not a catchable signal name; use USR1, USR2 or TERM"
         )

@@ -12,14 +12,22 @@ from .errors import ConfigError
 TIER_VARS = ("SPANK_SINGULARITY_SLA", "SLURM_SPANK_SINGULARITY_SLA", "SINGULARITY_SLA")
 
 
-def resolve_tier(env: Mapping[str, str], config: Config) -> str:
-    """The job's SLA tier: the option's value, else its partition's tier, else the default tier."""
+def resolve_tier(env: Mapping[str, str], config: Config) -> str | None:
+    """The job's SLA tier: the option's value, else its partition's tier.
+
+    None for a job in a partition that belongs to no tier: the job-submit policy leaves such jobs
+    alone (jobs without the option and without a partition were already given the default tier's
+    partition at submission).
+    """
     for var in TIER_VARS:
         value = env.get(var)
         if value:
             config.tier(value)  # raises with the valid tiers listed
             return value
-    return config.tier_of_partition(env.get("SLURM_JOB_PARTITION")) or config.default_tier
+    partition = env.get("SLURM_JOB_PARTITION")
+    if not partition:
+        return config.default_tier
+    return config.tier_of_partition(partition)
 
 
 def parse_gpu_list(value: str | None) -> list[str]:
@@ -36,7 +44,7 @@ class JobContext:
     uid: int
     node: str
     partition: str
-    tier: str
+    tier: str | None  # None: not managed by Singularity
     gpus: list[str]
     restart_count: int
 
