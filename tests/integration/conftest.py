@@ -35,8 +35,18 @@ def _cluster_up() -> bool:
 
 @pytest.fixture(scope="session", autouse=True)
 def cluster() -> None:
+    """The running dev cluster, with no jobs of the test user left from an interrupted run."""
     if os.geteuid() != 0 or not _cluster_up():
         pytest.fail("the dev cluster is not running: run `make test` (it brings the cluster up)")
+    user = default_layout().job_user
+    subprocess.run(["scancel", "--user", user], capture_output=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        left = subprocess.run(["squeue", "--noheader", "--user", user], capture_output=True,
+                              text=True).stdout.strip()
+        if not left:
+            break
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")
