@@ -1,0 +1,5 @@
+"""The checkpoint engine: the deduplicated checkpoint store and the CRIU dump/restore of job processes.
+
+`store` keeps checkpoints on a shared filesystem as content-addressed chunks (xxhash) and one
+manifest per checkpoint, committed atomically; it is the source of truth (Redis only indexes it).
+"""
