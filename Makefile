@@ -21,7 +21,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 install: $(PY)
-	$(PY) -m pip install -q --no-cache-dir ".[test,criu]"
+	$(PY) -m pip install -q --no-cache-dir ".[test,criu,examples]"
 	chmod -R a+rX $(PREFIX)
 
 devcluster: install

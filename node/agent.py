@@ -1,14 +1,27 @@
 """The node agent: one per job per node, started by Prolog as root, stopped by Epilog.
 
 It listens on a unix socket in the job's node-local folder and answers JSON requests, one per line.
-Callers are identified by SO_PEERCRED: only root and the job's own user are served. Today it answers
-`ping` (liveness and identity); the checkpoint work adds `dump` and `restore` through CRIU.
+Callers are identified by SO_PEERCRED: only root and the job's own user are served. The agent owns the
+job's process tree on this node: it starts it (as the job's user, in its own PID and mount namespace),
+checkpoints it with CRIU into the store, restores it from the store, and reports how it ended.
+
+Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error": "..."}`:
+  ping                                   liveness and identity
+  start {argv, cwd, output, env}         start the tree
+  restore {}                             restore the newest valid checkpoint of the job
+  wait {}                                block until the tree ends: {"state", "exit_status"}
+  checkpoint {reason, stop}              dump (stop: the tree ends) and commit a checkpoint
+  kill {}                                end the tree now
+  requeue {}                             requeue the job in Slurm and lift its requeue delay
+  status {}                              the tree's state and the last checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
+import logging
 import os
 import signal
 import socket
@@ -17,8 +30,25 @@ import struct
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 MAX_REQUEST = 1 << 20
+LOG = logging.getLogger("singularity.agent")
+
+
+class TreeState(enum.StrEnum):
+    """State of the job's process tree on this node.
+
+    NONE -> RUNNING (start, restore) -> CHECKPOINTING -> RUNNING (leave running) | DUMPED (stop)
+    RUNNING -> EXITED (the command ended) | KILLED (kill, or the agent stops)
+    """
+
+    NONE = "none"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    DUMPED = "dumped"
+    EXITED = "exited"
+    KILLED = "killed"
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -31,19 +61,146 @@ def authorized(peer_uid: int, job_uid: int) -> bool:
     return peer_uid in (0, job_uid)
 
 
+class RequestError(Exception):
+    """A request that cannot be served; the message goes back to the caller."""
+
+
 class AgentState:
-    def __init__(self, job_id: int, job_uid: int, node: str):
+    """What the agent knows and does; `handle` is the whole protocol."""
+
+    def __init__(self, job_id: int, job_uid: int, node: str, engine: Any = None):
         self.job_id = job_id
         self.job_uid = job_uid
         self.node = node
+        self.engine = engine  # CheckpointEngine; None in tests of the protocol alone
+        self.lock = threading.Condition()
+        self.state = TreeState.NONE
+        self.init_pid: int | None = None
+        self.exit_status: int | None = None
+        self.last_checkpoint: dict | None = None
+
+    # --- protocol ---------------------------------------------------------------------------------
 
     def handle(self, request: dict, peer_uid: int) -> dict:
         if not authorized(peer_uid, self.job_uid):
             return {"ok": False, "error": f"uid {peer_uid} may not act on job {self.job_id}"}
         op = request.get("op")
-        if op == "ping":
-            return {"ok": True, "job_id": self.job_id, "node": self.node, "pid": os.getpid()}
-        return {"ok": False, "error": f"unknown op {op!r}; valid ops: ping"}
+        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+        if handler is None:
+            valid = ", ".join(sorted(n[3:] for n in dir(self) if n.startswith("op_")))
+            return {"ok": False, "error": f"unknown op {op!r}; valid ops: {valid}"}
+        try:
+            return {"ok": True, **handler(request)}
+        except RequestError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:  # the agent must outlive any one request
+            LOG.exception("job %s: %s failed", self.job_id, op)
+            return {"ok": False, "error": f"{op} failed: {exc}"}
+
+    def op_ping(self, request: dict) -> dict:
+        return {"job_id": self.job_id, "node": self.node, "pid": os.getpid()}
+
+    def op_status(self, request: dict) -> dict:
+        with self.lock:
+            return {"state": str(self.state), "init_pid": self.init_pid,
+                    "exit_status": self.exit_status, "last_checkpoint": self.last_checkpoint}
+
+    def _need_engine(self) -> Any:
+        if self.engine is None:
+            raise RequestError("this agent has no checkpoint engine")
+        return self.engine
+
+    def op_start(self, request: dict) -> dict:
+        engine = self._need_engine()
+        spec = engine.tree_spec(request, self.job_uid)
+        with self.lock:
+            if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
+                raise RequestError(f"job {self.job_id} already runs on {self.node}")
+            self.init_pid, waiter = engine.start(spec)
+            self._running(waiter)
+        LOG.info("job %s node %s: started %s (ns init pid %s)", self.job_id, self.node,
+                 spec.argv, self.init_pid)
+        return {"init_pid": self.init_pid}
+
+    def op_restore(self, request: dict) -> dict:
+        engine = self._need_engine()
+        with self.lock:
+            if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
+                raise RequestError(f"job {self.job_id} already runs on {self.node}")
+            result = engine.restore(self.job_id)
+            self.init_pid = result["init_pid"]
+            self._running(result.pop("waiter"))
+        LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])
+        return result
+
+    def _running(self, waiter) -> None:
+        self.state = TreeState.RUNNING
+        self.exit_status = None
+        threading.Thread(target=self._reap, args=(waiter, self.init_pid), daemon=True).start()
+
+    def _reap(self, waiter, init_pid: int) -> None:
+        status = waiter()
+        with self.lock:
+            if self.init_pid != init_pid:
+                return
+            self.exit_status = status
+            if self.state == TreeState.RUNNING:
+                self.state = TreeState.EXITED
+            elif self.state == TreeState.CHECKPOINTING:
+                # The tree ended while being dumped: CRIU's kill after a stop-dump lands here first.
+                pass
+            self.lock.notify_all()
+        LOG.info("job %s node %s: tree ended with status %s", self.job_id, self.node, status)
+
+    def op_wait(self, request: dict) -> dict:
+        with self.lock:
+            if self.state == TreeState.NONE:
+                raise RequestError("nothing was started")
+            while self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING) or (
+                    self.state == TreeState.DUMPED and self.exit_status is None):
+                self.lock.wait()
+            return {"state": str(self.state), "exit_status": self.exit_status}
+
+    def op_checkpoint(self, request: dict) -> dict:
+        engine = self._need_engine()
+        reason = str(request.get("reason") or "manual")
+        stop = bool(request.get("stop", False))
+        with self.lock:
+            if self.state != TreeState.RUNNING:
+                raise RequestError(f"job {self.job_id} is {self.state} on {self.node}: nothing to checkpoint")
+            self.state = TreeState.CHECKPOINTING
+            init_pid = self.init_pid
+        try:
+            summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop)
+        except Exception:
+            with self.lock:
+                if self.state == TreeState.CHECKPOINTING:
+                    alive = self.exit_status is None
+                    self.state = TreeState.RUNNING if alive else TreeState.EXITED
+                self.lock.notify_all()
+            raise
+        with self.lock:
+            self.last_checkpoint = summary
+            if stop:
+                self.state = TreeState.DUMPED
+            elif self.state == TreeState.CHECKPOINTING:
+                self.state = TreeState.RUNNING if self.exit_status is None else TreeState.EXITED
+            self.lock.notify_all()
+        return summary
+
+    def op_kill(self, request: dict) -> dict:
+        with self.lock:
+            if self.init_pid is not None and self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
+                self.state = TreeState.KILLED
+                os.kill(self.init_pid, signal.SIGKILL)
+            self.lock.notify_all()
+            return {"state": str(self.state)}
+
+    def op_requeue(self, request: dict) -> dict:
+        return self._need_engine().requeue(self.job_id)
+
+    def shutdown(self) -> None:
+        self.op_kill({})
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -67,7 +224,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
-def request(socket_path: Path, payload: dict, timeout: float = 5.0) -> dict:
+def request(socket_path: Path, payload: dict, timeout: float | None = 5.0) -> dict:
     """Send one request to an agent and return its reply."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
@@ -79,6 +236,8 @@ def request(socket_path: Path, payload: dict, timeout: float = 5.0) -> dict:
             if not chunk:
                 break
             data += chunk
+    if not data:
+        raise ConnectionError(f"the agent at {socket_path} closed the connection without answering")
     return json.loads(data)
 
 
@@ -102,6 +261,7 @@ def serve(socket_path: Path, state: AgentState) -> None:
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
+        state.shutdown()
         server.server_close()
         socket_path.unlink(missing_ok=True)
         print(f"node agent for job {state.job_id} on {state.node} stopped", flush=True)
@@ -114,8 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--uid", type=int, required=True, help="uid of the job's user")
     parser.add_argument("--node", required=True)
     parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--no-engine", action="store_true",
+                        help="serve ping/status only (no CRIU, no store)")
     args = parser.parse_args(argv)
-    serve(args.socket, AgentState(args.job_id, args.uid, args.node))
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    engine = None
+    if not args.no_engine:
+        from .engine import CheckpointEngine
+
+        engine = CheckpointEngine.from_config(args.node, args.socket.parent)
+    serve(args.socket, AgentState(args.job_id, args.uid, args.node, engine))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +87,33 @@ def status(config_path: Path | None, job_id: int | None, as_json: bool) -> None:
         click.echo(status_mod.format_table(merged))
     else:
         click.echo("no jobs")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--checkpoint-interval", type=float, envvar="SINGULARITY_CHECKPOINT_INTERVAL",
+              help="Minutes between periodic checkpoints [default: the tier's setting].")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_obj
+def run(config_path: Path | None, checkpoint_interval: float | None, command: tuple[str, ...]) -> None:
+    """Run COMMAND as a preemptible, migratable job step (use it in the batch script).
+
+    \b
+        #SBATCH --singularity-sla=basic
+        singularityctl run -- python train.py --epochs 10
+
+    On the first start COMMAND is started; after a requeue the last checkpoint is restored and
+    COMMAND continues where it stopped. The preemption warning signal (SIGUSR2; SIGTERM as a
+    fallback) checkpoints and requeues the job.
+    """
+    from .launcher import Launcher, LaunchError
+
+    config = _load(config_path)
+    try:
+        launcher = Launcher(config, os.environ, checkpoint_interval_s=(
+            checkpoint_interval * 60 if checkpoint_interval else None))
+        sys.exit(launcher.run(list(command)))
+    except LaunchError as exc:
+        _fail(exc)
 
 
 @main.group()

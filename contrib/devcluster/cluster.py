@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from singularity_slurm import config as config_mod
+from singularity_slurm.checkpoint.criu import install_wrapper
 from singularity_slurm.errors import DevClusterError, SingularityError
 from singularity_slurm.slurm_plugin import policy
 from singularity_slurm.slurm_plugin.slurm import SlurmClient, parse_version
@@ -137,7 +138,7 @@ def up(layout: Layout | None = None, say: Say = print) -> Report:
     install.ensure_packages(install.SYSTEM_PACKAGES, say)
     criu = install.ensure_criu(layout, say)
     install.ensure_pycriu(layout, debian, say)
-    say(f"criu: {criu}")
+    say(f"criu: {criu} (run through {install_wrapper(layout.prefix, criu)})")
     install.ensure_user(layout.job_user, say)
     install.ensure_munge_key()
     install.ensure_dirs(layout)

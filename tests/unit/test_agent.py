@@ -63,6 +63,9 @@ def test_other_user_is_refused_before_the_op_is_looked_at() -> None:
     }
 
 
+VALID_OPS = "checkpoint, kill, ping, requeue, restore, start, status, wait"
+
+
 @pytest.mark.parametrize(("request_", "shown"), [
     ({"op": "dump"}, "'dump'"), ({}, "None"), ({"op": ["ping"]}, "['ping']"),
 ])
@@ -70,7 +73,7 @@ def test_unknown_op_lists_the_valid_ops(request_: dict, shown: str) -> None:
     state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
 
     assert state.handle(request_, JOB_UID) == {
-        "ok": False, "error": f"unknown op {shown}; valid ops: ping",
+        "ok": False, "error": f"unknown op {shown}; valid ops: {VALID_OPS}",
     }
 
 
@@ -115,7 +118,7 @@ def start_agent(socket_dir: Path) -> Iterator[Callable[..., subprocess.Popen]]:
         path = path or socket_dir / "agent.sock"
         proc = subprocess.Popen(
             [sys.executable, "-m", "singularity_slurm.node.agent", "--job-id", "7",
-             "--uid", str(uid), "--node", "n9", "--socket", str(path)],
+             "--uid", str(uid), "--node", "n9", "--socket", str(path), "--no-engine"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         started.append(proc)
@@ -183,8 +186,16 @@ def test_root_is_served_even_when_it_is_not_the_job_user(start_agent, socket_dir
 def test_unknown_op_over_the_socket(start_agent, socket_dir: Path) -> None:
     start_agent()
 
+    assert request(socket_dir / "agent.sock", {"op": "dump"}) == {
+        "ok": False, "error": f"unknown op 'dump'; valid ops: {VALID_OPS}",
+    }
+
+
+def test_an_agent_without_engine_refuses_tree_operations(start_agent, socket_dir: Path) -> None:
+    start_agent()
+
     assert request(socket_dir / "agent.sock", {"op": "restore"}) == {
-        "ok": False, "error": "unknown op 'restore'; valid ops: ping",
+        "ok": False, "error": "this agent has no checkpoint engine",
     }
 
 

@@ -1,0 +1,137 @@
+"""CRIU through pycriu: dump a job's process tree (its own PID and mount namespace) and restore it.
+
+Facts this relies on (verified on Debian 12, kernel 6.18, criu 4.1.1):
+- The tree runs in its own PID namespace whose init is a session leader, and its own mount namespace
+  with a /proc of that PID namespace: the parasite of a non-root task can only use /proc when it
+  belongs to the task's namespace ("can't dump unprivileged task whose /proc doesn't belong to it").
+- Every file the tree holds must have been opened inside its mount namespace; a descriptor inherited
+  from outside names a mount criu cannot find ("Can't lookup mount=N for fd=0").
+- Restore needs `root="/"`: the namespace's root mount is the host's root, bound back in.
+- Root may lack CAP_SYS_RESOURCE (some VMs and containers drop it); reading another user's limits
+  then fails, so criu runs with the criu_prlimit shim preloaded (see shim/criu_prlimit.c).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from singularity_slurm.errors import CheckpointError
+
+SHIM_SOURCE = "criu_prlimit.c"
+SHIM_LIBRARY = "criu_prlimit.so"
+WRAPPER = "singularity-criu"
+
+
+def build_shim(prefix: Path, compiler: str = "cc") -> Path:
+    """Compile the prlimit shim into PREFIX/lib."""
+    output = prefix / "lib" / SHIM_LIBRARY
+    output.parent.mkdir(parents=True, exist_ok=True)
+    source = resources.files(__package__).joinpath("shim", SHIM_SOURCE)
+    with resources.as_file(source) as src:
+        tmp = output.with_name(f".{output.name}.build")
+        proc = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp), str(src),
+                               "-ldl"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"building the criu shim failed:\n{proc.stderr.strip()}")
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, output)
+    return output
+
+
+def install_wrapper(prefix: Path, criu: Path) -> Path:
+    """PREFIX/bin/singularity-criu: runs `criu` with the shim preloaded; what the agent executes."""
+    shim = build_shim(prefix)
+    wrapper = prefix / "bin" / WRAPPER
+    wrapper.parent.mkdir(parents=True, exist_ok=True)
+    tmp = wrapper.with_name(f".{wrapper.name}.tmp")
+    tmp.write_text(f'#!/bin/sh\nLD_PRELOAD="{shim}${{LD_PRELOAD:+:$LD_PRELOAD}}" exec "{criu}" "$@"\n')
+    os.chmod(tmp, 0o755)
+    os.rename(tmp, wrapper)
+    return wrapper
+
+
+def wrapper_path(prefix: Path) -> Path:
+    return prefix / "bin" / WRAPPER
+
+
+def _log_tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no criu log)"
+    errors = [line for line in text if "Error" in line and "RLIMIT_NOFILE for self" not in line]
+    return "\n".join((errors or text)[-lines:])
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    images_dir: Path
+    pid: int
+    leave_running: bool
+
+
+class Criu:
+    """Dump and restore through pycriu's swrk mode, one criu process per call."""
+
+    def __init__(self, binary: Path):
+        self.binary = binary
+
+    def _client(self):
+        try:
+            import pycriu
+        except ImportError as exc:
+            raise CheckpointError(
+                "pycriu is not importable: install it into the project's venv "
+                "(`singularityctl devcluster up` does; it ships as Debian's python3-pycriu)"
+            ) from exc
+        client = pycriu.criu()
+        client.use_binary(str(self.binary))
+        return pycriu, client
+
+    def dump(self, pid: int, images_dir: Path, leave_running: bool = False) -> DumpResult:
+        pycriu, client = self._client()
+        images_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(images_dir, os.O_DIRECTORY)
+        try:
+            client.opts.images_dir_fd = fd
+            client.opts.pid = pid
+            client.opts.leave_running = leave_running
+            client.opts.log_file = "dump.log"
+            client.opts.log_level = 4
+            client.opts.file_locks = True
+            try:
+                client.dump()
+            except pycriu.CRIUException as exc:
+                raise CheckpointError(
+                    f"criu dump of pid {pid} failed: {exc}\n{_log_tail(images_dir / 'dump.log')}"
+                ) from exc
+        finally:
+            os.close(fd)
+        return DumpResult(images_dir, pid, leave_running)
+
+    def restore(self, images_dir: Path) -> int:
+        """Restore the tree as a child of this process; returns the pid of its root (the ns init)."""
+        pycriu, client = self._client()
+        fd = os.open(images_dir, os.O_DIRECTORY)
+        try:
+            client.opts.images_dir_fd = fd
+            client.opts.log_file = "restore.log"
+            client.opts.log_level = 4
+            client.opts.root = "/"
+            client.opts.rst_sibling = True
+            client.opts.file_locks = True
+            try:
+                response = client.restore()
+            except pycriu.CRIUException as exc:
+                raise CheckpointError(
+                    f"criu restore from {images_dir} failed: {exc}\n"
+                    f"{_log_tail(images_dir / 'restore.log')}"
+                ) from exc
+        finally:
+            os.close(fd)
+        return response.pid

@@ -1,0 +1,154 @@
+"""The root side of checkpointing on a node: start, dump, store, restore and requeue a job's tree."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from singularity_slurm.checkpoint import engine as images
+from singularity_slurm.checkpoint.criu import Criu, wrapper_path
+from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
+from singularity_slurm.config import Config, load
+from singularity_slurm.errors import CheckpointError, NoCheckpoint, SingularityError
+from singularity_slurm.slurm_plugin.slurm import SlurmClient
+
+from . import jobtree
+from .agent import RequestError
+
+KEEP_CHECKPOINTS = 3
+
+
+def _exit_status(status: int) -> int:
+    """A waitpid status as a shell would report it (128 + signal for a killed process)."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def summarize(manifest: Manifest, seconds: float | None = None) -> dict[str, Any]:
+    return {
+        "seq": manifest.seq,
+        "created_at": manifest.created_at,
+        "reason": manifest.reason,
+        "logical_bytes": manifest.logical_bytes,
+        "new_bytes": manifest.new_bytes,
+        "dedup_ratio": round(manifest.dedup_ratio, 2) if manifest.new_bytes else None,
+        "node": manifest.meta.get("node"),
+        "seconds": round(seconds, 3) if seconds is not None else None,
+    }
+
+
+class CheckpointEngine:
+    def __init__(self, config: Config, node: str, run_dir: Path, store: CheckpointStore,
+                 criu: Criu, slurm: SlurmClient, keep: int = KEEP_CHECKPOINTS):
+        self.config = config
+        self.node = node
+        self.run_dir = run_dir
+        self.store = store
+        self.criu = criu
+        self.slurm = slurm
+        self.keep = keep
+
+    @classmethod
+    def from_config(cls, node: str, run_dir: Path) -> CheckpointEngine:
+        config = load()
+        store_root = config.paths.store_root
+        store_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(store_root, 0o700)  # only the agents (root) write or read checkpoints
+        return cls(config, node, run_dir, CheckpointStore(store_root),
+                   Criu(wrapper_path(config.paths.prefix)), SlurmClient())
+
+    # --- start ------------------------------------------------------------------------------------
+
+    def tree_spec(self, request: dict, uid: int) -> jobtree.TreeSpec:
+        argv, cwd, output, env = (request.get(k) for k in ("argv", "cwd", "output", "env"))
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise RequestError("start needs argv: a non-empty list of strings")
+        for name, value in (("cwd", cwd), ("output", output)):
+            if not isinstance(value, str) or not value.startswith("/"):
+                raise RequestError(f"start needs {name}: an absolute path")
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in env.items()):
+            raise RequestError("start needs env: an object of strings")
+        gid = pwd.getpwuid(uid).pw_gid
+        return jobtree.TreeSpec(argv, uid, gid, cwd, output, env)
+
+    def start(self, spec: jobtree.TreeSpec) -> tuple[int, Callable[[], int]]:
+        proc = jobtree.spawn(spec)
+        init_pid = jobtree.namespace_init(proc.pid)
+        deadline = time.monotonic() + 10
+        while not jobtree.user_init_started(init_pid, spec.uid) and proc.poll() is None:
+            if time.monotonic() > deadline:
+                jobtree.kill_tree(init_pid)
+                raise CheckpointError("the job's namespace init did not start within 10s")
+            time.sleep(0.01)
+        return init_pid, lambda: _exit_status_of_rc(proc.wait())
+
+    # --- checkpoint -------------------------------------------------------------------------------
+
+    def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool) -> dict[str, Any]:
+        started = time.monotonic()
+        work = self.run_dir / f"dump-{int(time.time() * 1000)}"
+        work.mkdir(mode=0o700, parents=True)
+        try:
+            self.criu.dump(init_pid, work, leave_running=not stop)
+            dumped = time.monotonic()
+            manifest = images.upload(self.store, job_id, work, reason, {
+                "node": self.node, "uid": uid,
+                "dump_seconds": round(dumped - started, 3),
+            })
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        try:
+            self.store.prune(job_id, keep=self.keep)
+        except SingularityError:
+            pass  # an old checkpoint left over costs space, not correctness
+        return summarize(manifest, time.monotonic() - started)
+
+    # --- restore ----------------------------------------------------------------------------------
+
+    def restore(self, job_id: int) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            manifest, refused = self.store.latest_valid(job_id)
+        except NoCheckpoint as exc:
+            raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
+        work = self.run_dir / f"restore-{manifest.seq}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(mode=0o700, parents=True)
+        try:
+            image_dir = images.download(self.store, manifest, work)
+            pid = self.criu.restore(image_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return {
+            **summarize(manifest, time.monotonic() - started),
+            "init_pid": pid,
+            "refused": [{"seq": r.seq, "reason": r.reason} for r in refused],
+            "waiter": lambda: _exit_status(os.waitpid(pid, 0)[1]),
+        }
+
+    # --- requeue ----------------------------------------------------------------------------------
+
+    def requeue(self, job_id: int) -> dict[str, Any]:
+        """Requeue the job, and lift Slurm's requeue delay from a helper that outlives the epilog."""
+        record = self.slurm.job(job_id) or {}
+        restarts = int(record.get("Restarts", 0) or 0)
+        requeued = self.slurm.requeue(job_id)
+        log = open(self.run_dir.parent / f"release-{job_id}.log", "ab")
+        with log:
+            subprocess.Popen([sys.executable, "-m", "singularity_slurm.node.release", str(job_id),
+                              str(restarts)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                             start_new_session=True, close_fds=True)
+        return {"requeued": requeued, "released": True}
+
+
+def _exit_status_of_rc(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+

@@ -1,0 +1,50 @@
+"""Lift Slurm's requeue delay once a requeue has completed (run detached by the agent, as root).
+
+A requeued job waits `cred_expire + 1` seconds (121 by default, reason BeginTime) before it may start
+again. The delay is set when the requeue completes, after every epilog has run, so an update made
+right after `scontrol requeue` is overwritten. This helper outlives the job's epilog: it waits until
+the job is pending again and then sets its start time to now. It gives up after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from singularity_slurm.errors import SingularityError
+from singularity_slurm.slurm_plugin.slurm import SlurmClient
+
+
+def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int, timeout: float = 90.0,
+                         poll: float = 0.5, clock=time.monotonic, sleep=time.sleep) -> bool:
+    deadline = clock() + timeout
+    while clock() < deadline:
+        try:
+            record = slurm.job(job_id)
+        except SingularityError:
+            record = None
+        if record is None:
+            return False
+        requeued = int(record.get("Restarts", 0) or 0) > restarts_before
+        if requeued and record.get("JobState") == "PENDING":
+            if record.get("Reason") != "BeginTime":
+                return True
+            try:
+                slurm.release_start(job_id)
+                return True
+            except SingularityError:
+                pass
+        sleep(poll)
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    job_id, restarts_before = int(args[0]), int(args[1])
+    released = release_when_pending(SlurmClient(), job_id, restarts_before)
+    print(f"job {job_id}: requeue delay {'lifted' if released else 'left to Slurm'}", flush=True)
+    return 0 if released else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""`singularityctl run -- CMD`: the launcher a batch script runs instead of CMD itself.
+
+First start: the node agent starts CMD (as the job's user, in its own PID and mount namespace) with a
+torchrun-compatible environment. After a requeue (restart count > 0) with a committed checkpoint,
+the agent restores it instead, and the command continues where it stopped.
+
+All preemption handling lives here: the warning signal (SIGUSR2 from the job-submit policy; SIGTERM
+as a fallback) becomes a checkpoint that stops the job, then a requeue. If the checkpoint fails, the
+job is requeued anyway and resumes from its last good checkpoint. Periodic checkpoints leave the job
+running. Every line the launcher prints starts with "[singularity]", so the job's own output,
+which shares the file, stays recognisable.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from singularity_slurm.config import Config
+from singularity_slurm.errors import SingularityError
+from singularity_slurm.jobenv import job_run_dir, resolve_tier
+from singularity_slurm.node.agent import request
+
+WARNING_SIGNALS = {"USR2": signal.SIGUSR2, "USR1": signal.SIGUSR1, "TERM": signal.SIGTERM}
+
+
+class LaunchError(SingularityError):
+    """The launcher cannot run the job here (not in a Slurm job, no agent)."""
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: int
+    node: str
+    restart_count: int
+    tier: str | None
+
+
+def job_info(env: Mapping[str, str], config: Config) -> JobInfo:
+    missing = [v for v in ("SLURM_JOB_ID", "SLURMD_NODENAME") if not env.get(v)]
+    if missing:
+        raise LaunchError(f"`singularityctl run` runs inside a Slurm batch job ({', '.join(missing)} unset)")
+    return JobInfo(int(env["SLURM_JOB_ID"]), env["SLURMD_NODENAME"],
+                   int(env.get("SLURM_RESTART_COUNT") or 0), resolve_tier(env, config))
+
+
+def rank_environment(env: Mapping[str, str], info: JobInfo, world_size: int = 1) -> dict[str, str]:
+    """The job's environment plus what torchrun would set, for a single process tree per node."""
+    out = dict(env)
+    out.update({
+        "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": env.get("MASTER_PORT", str(20000 + info.job_id % 20000)),
+        "SINGULARITY_JOB_ID": str(info.job_id),
+    })
+    return out
+
+
+def output_target(fd: int = 1) -> str | None:
+    """The file the batch script's stdout goes to (the job's -o file), if it is a path."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target if target.startswith("/") and os.path.exists(target) else None
+
+
+def mib(n: int | None) -> str:
+    return f"{(n or 0) / (1 << 20):.1f} MiB"
+
+
+class Launcher:
+    def __init__(self, config: Config, env: Mapping[str, str], say: Callable[[str], None] | None = None,
+                 checkpoint_interval_s: float | None = None, grace_s: float = 600.0):
+        self.config = config
+        self.env = dict(env)
+        self.info = job_info(env, config)
+        self.socket = job_run_dir(config.paths.state_dir, self.info.node, self.info.job_id) / "agent.sock"
+        self._say = say or _stderr_say(sys.stderr)
+        if checkpoint_interval_s is None and self.info.tier:
+            minutes = config.tiers[self.info.tier].checkpoint_interval_min
+            checkpoint_interval_s = minutes * 60.0 if minutes else None
+        self.interval = checkpoint_interval_s
+        self.grace_s = grace_s
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+
+    def say(self, message: str) -> None:
+        self._say(f"[singularity] job {self.info.job_id} on {self.info.node}: {message}")
+
+    def agent(self, payload: dict, timeout: float | None = 30.0) -> dict:
+        try:
+            reply = request(self.socket, payload, timeout=timeout)
+        except (OSError, ValueError) as exc:
+            raise LaunchError(f"the node agent at {self.socket} did not answer {payload['op']}: {exc}; "
+                              "is the Prolog configured (`singularityctl admin check`)?") from exc
+        if not reply.get("ok"):
+            raise LaunchError(f"{payload['op']}: {reply.get('error')}")
+        return reply
+
+    # --- signals ----------------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum, frame):
+            self.events.put(("signal", signal.Signals(signum).name))
+
+        for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    # --- run --------------------------------------------------------------------------------------
+
+    def run(self, argv: list[str]) -> int:
+        if not argv:
+            raise LaunchError("nothing to run: give the command after `--`")
+        self.install_signal_handlers()
+        restored = False
+        if self.info.restart_count > 0:
+            restored = self.restore()
+        if not restored:
+            self.start(argv)
+        threading.Thread(target=self._wait_for_tree, daemon=True).start()
+        return self.loop()
+
+    def start(self, argv: list[str]) -> None:
+        output = output_target() or str(Path.cwd() / f"singularity-{self.info.job_id}.out")
+        self.agent({"op": "start", "argv": argv, "cwd": str(Path.cwd()), "output": output,
+                    "env": rank_environment(self.env, self.info)})
+        self.say(f"started {' '.join(argv)} (tier {self.info.tier or 'unmanaged'})")
+
+    def restore(self) -> bool:
+        self.say(f"restart {self.info.restart_count}: restoring the last checkpoint")
+        try:
+            reply = self.agent({"op": "restore"}, timeout=None)
+        except LaunchError as exc:
+            if "no committed checkpoint" in str(exc):
+                self.say("no committed checkpoint: starting from the beginning")
+                return False
+            raise
+        for refused in reply.get("refused", []):
+            self.say(f"checkpoint {refused['seq']} refused: {refused['reason']}")
+        self.say(f"restored checkpoint {reply['seq']} ({reply['reason']}, taken on {reply['node']}, "
+                 f"{mib(reply['logical_bytes'])}) in {reply['seconds']:.1f}s")
+        return True
+
+    def _wait_for_tree(self) -> None:
+        try:
+            reply = request(self.socket, {"op": "wait"}, timeout=None)
+        except (OSError, ValueError) as exc:
+            self.events.put(("lost", str(exc)))
+            return
+        self.events.put(("ended", reply))
+
+    def loop(self) -> int:
+        next_periodic = time.monotonic() + self.interval if self.interval else None
+        while True:
+            timeout = max(0.0, next_periodic - time.monotonic()) if next_periodic else None
+            try:
+                kind, value = self.events.get(timeout=timeout)
+            except queue.Empty:
+                self.periodic_checkpoint()
+                next_periodic = time.monotonic() + self.interval if self.interval else None
+                continue
+            if kind == "signal":
+                return self.preempt(value)
+            if kind == "lost":
+                self.say(f"lost the node agent ({value}); requeueing from the last checkpoint")
+                return 1
+            if kind == "ended":
+                status = value.get("exit_status")
+                if value.get("state") == "killed":
+                    return 137
+                return int(status or 0)
+
+    def periodic_checkpoint(self) -> None:
+        try:
+            reply = self.agent({"op": "checkpoint", "reason": "periodic", "stop": False}, timeout=None)
+        except LaunchError as exc:
+            self.say(f"periodic checkpoint failed, the job continues: {exc}")
+            return
+        self.say(self.describe("periodic checkpoint", reply))
+
+    def describe(self, what: str, reply: dict) -> str:
+        ratio = reply.get("dedup_ratio")
+        return (f"{what} {reply['seq']} committed in {reply['seconds']:.1f}s: "
+                f"{mib(reply['logical_bytes'])}, {mib(reply['new_bytes'])} stored"
+                + (f" (dedup {ratio:.1f}x)" if ratio else ""))
+
+    def preempt(self, signame: str) -> int:
+        self.say(f"preemption warning ({signame}): checkpointing")
+        try:
+            reply = self.agent({"op": "checkpoint", "reason": "preempt", "stop": True},
+                               timeout=self.grace_s)
+            self.say(self.describe("checkpoint", reply))
+        except LaunchError as exc:
+            self.say(f"checkpoint failed: {exc}; the job resumes from its last good checkpoint")
+            try:
+                self.agent({"op": "kill"})
+            except LaunchError:
+                pass
+        try:
+            reply = self.agent({"op": "requeue"})
+            self.say("requeued")
+        except LaunchError as exc:
+            self.say(f"requeue failed: {exc}")
+            return 1
+        return 0
+
+
+def _stderr_say(stream: TextIO) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        stream.write(line + "\n")
+        stream.flush()
+
+    return say
+
