@@ -12,7 +12,10 @@ Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error
   wait {}                                block until the tree ends: {"state", "exit_status"}
   checkpoint {reason, stop}              dump (stop: the tree ends) and commit a checkpoint
   kill {}                                end the tree now
-  requeue {}                             requeue the job in Slurm and lift its requeue delay
+  requeue {exclude}                      requeue the job in Slurm (away from `exclude` nodes) and
+                                         lift its requeue delay
+  migrate {exclude}                      checkpoint (the tree stops), then requeue away from `exclude`
+  latest {}                              the newest committed checkpoint of the job, or null
   status {}                              the tree's state and the last checkpoint
 """
 
@@ -197,7 +200,31 @@ class AgentState:
             return {"state": str(self.state)}
 
     def op_requeue(self, request: dict) -> dict:
-        return self._need_engine().requeue(self.job_id)
+        exclude = request.get("exclude") or []
+        if not isinstance(exclude, list) or not all(isinstance(n, str) and n.isprintable() and n
+                                                    for n in exclude):
+            raise RequestError("requeue: exclude must be a list of node names")
+        return self._need_engine().requeue(self.job_id, exclude)
+
+    def op_migrate(self, request: dict) -> dict:
+        exclude = request.get("exclude") or []
+        if not isinstance(exclude, list) or not all(isinstance(n, str) and n for n in exclude):
+            raise RequestError("migrate: exclude must be a list of node names")
+        summary = self.op_checkpoint({"reason": "migrate", "stop": True})
+        # The requeue ends every step of the job, the caller's included: answer first.
+        timer = threading.Timer(0.5, self._requeue_quietly, args=(exclude,))
+        timer.daemon = True
+        timer.start()
+        return {**summary, "exclude": exclude}
+
+    def _requeue_quietly(self, exclude: list[str]) -> None:
+        try:
+            self._need_engine().requeue(self.job_id, exclude)
+        except Exception:
+            LOG.exception("job %s: requeue after migration checkpoint failed", self.job_id)
+
+    def op_latest(self, request: dict) -> dict:
+        return {"checkpoint": self._need_engine().latest(self.job_id)}
 
     def shutdown(self) -> None:
         self.op_kill({})

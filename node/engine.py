@@ -136,17 +136,26 @@ class CheckpointEngine:
 
     # --- requeue ----------------------------------------------------------------------------------
 
-    def requeue(self, job_id: int) -> dict[str, Any]:
-        """Requeue the job, and lift Slurm's requeue delay from a helper that outlives the epilog."""
+    def requeue(self, job_id: int, exclude: list[str] | None = None) -> dict[str, Any]:
+        """Requeue the job, and lift Slurm's requeue delay from a helper that outlives the epilog.
+
+        With `exclude`, the helper also keeps the job off those nodes (a migration): a node list can
+        only be changed once the job is pending again.
+        """
         record = self.slurm.job(job_id) or {}
         restarts = int(record.get("Restarts", 0) or 0)
         requeued = self.slurm.requeue(job_id)
-        log = open(self.run_dir.parent / f"release-{job_id}.log", "ab")
-        with log:
-            subprocess.Popen([sys.executable, "-m", "singularity_slurm.node.release", str(job_id),
-                              str(restarts)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        argv = [sys.executable, "-m", "singularity_slurm.node.release", str(job_id), str(restarts)]
+        if exclude:
+            argv.append(",".join(exclude))
+        with open(self.run_dir.parent / f"release-{job_id}.log", "ab") as log:
+            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              start_new_session=True, close_fds=True)
-        return {"requeued": requeued, "released": True}
+        return {"requeued": requeued, "exclude": exclude or []}
+
+    def latest(self, job_id: int) -> dict[str, Any] | None:
+        seqs = self.store.seqs(job_id)
+        return summarize(self.store.read(job_id, seqs[-1])) if seqs else None
 
 
 def _exit_status_of_rc(returncode: int) -> int:

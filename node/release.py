@@ -3,7 +3,8 @@
 A requeued job waits `cred_expire + 1` seconds (121 by default, reason BeginTime) before it may start
 again. The delay is set when the requeue completes, after every epilog has run, so an update made
 right after `scontrol requeue` is overwritten. This helper outlives the job's epilog: it waits until
-the job is pending again and then sets its start time to now. It gives up after `timeout` seconds.
+the job is pending again, keeps it off the nodes a migration leaves (ExcNodeList can only change
+while the job is pending), and sets its start time to now. It gives up after `timeout` seconds.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from singularity_slurm.errors import SingularityError
 from singularity_slurm.slurm_plugin.slurm import SlurmClient
 
 
-def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int, timeout: float = 90.0,
+def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int,
+                         exclude: list[str] | None = None, timeout: float = 90.0,
                          poll: float = 0.5, clock=time.monotonic, sleep=time.sleep) -> bool:
     deadline = clock() + timeout
     while clock() < deadline:
@@ -27,10 +29,12 @@ def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int, 
             return False
         requeued = int(record.get("Restarts", 0) or 0) > restarts_before
         if requeued and record.get("JobState") == "PENDING":
-            if record.get("Reason") != "BeginTime":
-                return True
             try:
-                slurm.release_start(job_id)
+                if exclude:
+                    slurm.run(exclude_argv(job_id, exclude))
+                    exclude = None
+                if record.get("Reason") == "BeginTime":
+                    slurm.release_start(job_id)
                 return True
             except SingularityError:
                 pass
@@ -38,10 +42,15 @@ def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int, 
     return False
 
 
+def exclude_argv(job_id: int, nodes: list[str]) -> list[str]:
+    return ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     job_id, restarts_before = int(args[0]), int(args[1])
-    released = release_when_pending(SlurmClient(), job_id, restarts_before)
+    exclude = args[2].split(",") if len(args) > 2 and args[2] else None
+    released = release_when_pending(SlurmClient(), job_id, restarts_before, exclude)
     print(f"job {job_id}: requeue delay {'lifted' if released else 'left to Slurm'}", flush=True)
     return 0 if released else 1
 

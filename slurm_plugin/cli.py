@@ -116,6 +116,76 @@ def run(config_path: Path | None, checkpoint_interval: float | None, command: tu
         _fail(exc)
 
 
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_obj
+def checkpoint(config_path: Path | None, job_id: int, as_json: bool) -> None:
+    """Checkpoint a running job now; it keeps running.
+
+    The checkpoint is committed to the store like a periodic one: after a failure the job resumes
+    from it. Only the job's owner (and root) may checkpoint it.
+    """
+    from .jobctl import JobControl
+
+    control = JobControl(_load(config_path), SlurmClient(), os.getuid(),
+                         say=(lambda m: None) if as_json else click.echo)
+    try:
+        reply = control.checkpoint(job_id)
+    except SingularityError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+    else:
+        click.echo(f"checkpoint {reply['seq']} committed in {reply['seconds']:.1f}s: "
+                   f"{reply['logical_bytes'] / 2**20:.1f} MiB, {reply['new_bytes'] / 2**20:.1f} MiB stored")
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--exclude", help="Nodes to move away from, comma-separated [default: the job's nodes].")
+@click.option("--no-wait", is_flag=True, help="Return once the job is requeued.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_obj
+def migrate(config_path: Path | None, job_id: int, exclude: str | None, no_wait: bool,
+            as_json: bool) -> None:
+    """Move a running job to other nodes: checkpoint, requeue away from the excluded nodes, restore.
+
+    The job resumes exactly where it stopped. Only the job's owner (and root) may migrate it.
+    """
+    from .jobctl import JobControl
+
+    control = JobControl(_load(config_path), SlurmClient(), os.getuid(),
+                         say=(lambda m: None) if as_json else click.echo)
+    nodes = [n for n in (exclude or "").split(",") if n]
+    try:
+        reply = control.migrate(job_id, nodes or None, wait=0 if no_wait else 180)
+    except SingularityError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+
+
+@main.command("agent-call", hidden=True)
+@click.argument("op")
+@click.argument("args", default="{}")
+@click.pass_obj
+def agent_call(config_path: Path | None, op: str, args: str) -> None:
+    """Send one request to this job's node agent (runs as a step inside the job)."""
+    from singularity_slurm.jobenv import job_run_dir
+    from singularity_slurm.node.agent import request
+
+    config = _load(config_path)
+    try:
+        payload = {**json.loads(args), "op": op}
+        sock = job_run_dir(config.paths.state_dir, os.environ["SLURMD_NODENAME"],
+                           int(os.environ["SLURM_JOB_ID"])) / "agent.sock"
+        reply = request(sock, payload, timeout=None)
+    except (KeyError, ValueError, OSError) as exc:
+        reply = {"ok": False, "error": f"cannot reach the node agent: {exc}"}
+    click.echo(json.dumps(reply))
+
+
 @main.group()
 def admin() -> None:
     """Cluster administration: verify and install Singularity's Slurm wiring."""

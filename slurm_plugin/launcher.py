@@ -173,10 +173,28 @@ class Launcher:
                 self.say(f"lost the node agent ({value}); requeueing from the last checkpoint")
                 return 1
             if kind == "ended":
-                status = value.get("exit_status")
-                if value.get("state") == "killed":
-                    return 137
-                return int(status or 0)
+                return self.ended(value)
+
+    def ended(self, reply: dict) -> int:
+        state, status = reply.get("state"), int(reply.get("exit_status") or 0)
+        if state == "dumped":
+            # Checkpointed to move (singularityctl migrate): Slurm ends this step as it requeues the job.
+            self.say("checkpointed for migration; the job is being requeued")
+            time.sleep(120)
+            return 0
+        if state == "killed":
+            return 137
+        if status >= 128:
+            try:
+                latest = self.agent({"op": "latest"}).get("checkpoint")
+            except LaunchError:
+                latest = None
+            if latest:
+                self.say(f"the job's processes were killed (status {status}); requeueing to resume from "
+                         f"checkpoint {latest['seq']}")
+                self.agent({"op": "requeue"})
+                return 0
+        return status
 
     def periodic_checkpoint(self) -> None:
         try:

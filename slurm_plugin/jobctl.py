@@ -1,0 +1,114 @@
+"""`singularityctl checkpoint|migrate JOBID`: act on a running job through its node agent.
+
+The request travels as a job step (`srun --jobid=J --overlap`) to the job's batch node, where it
+talks to the job's node agent over its unix socket. Slurm lets a user start steps only in their own
+jobs, and the agent serves only the job's user and root (SO_PEERCRED), so nobody acts on another
+user's job; the checks below exist to say so clearly before anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from singularity_slurm.config import Config
+from singularity_slurm.errors import SingularityError
+
+from .slurm import SlurmClient, expand_hostlist, parse_user
+
+
+class JobControlError(SingularityError):
+    """The job cannot be checkpointed or migrated now; the message says why."""
+
+
+def check_target(record: dict[str, str] | None, job_id: int, caller_uid: int, config: Config,
+                 action: str) -> dict[str, str]:
+    """Refuse anything but a running, managed job of the caller (or any job for root)."""
+    if record is None:
+        raise JobControlError(f"no job {job_id}: Slurm does not know it (finished jobs are forgotten "
+                              "after MinJobAge)")
+    user, uid = parse_user(record.get("UserId", ""))
+    if caller_uid != 0 and uid != caller_uid:
+        raise JobControlError(f"job {job_id} belongs to {user}: you can only {action} your own jobs")
+    state = record.get("JobState")
+    if state != "RUNNING":
+        raise JobControlError(f"job {job_id} is {state}: only a running job can be {action}ed"
+                              if not action.endswith("e") else
+                              f"job {job_id} is {state}: only a running job can be {action}d")
+    if config.tier_of_partition(record.get("Partition")) is None:
+        raise JobControlError(f"job {job_id} runs in partition {record.get('Partition')}, which belongs to "
+                              "no SLA tier: Singularity does not manage it")
+    if not record.get("BatchHost"):
+        raise JobControlError(f"job {job_id} has no batch host yet; try again in a moment")
+    return record
+
+
+def agent_call_argv(ctl: str, job_id: int, host: str, op: str, args: dict[str, Any]) -> list[str]:
+    return ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
+            "--quiet", ctl, "agent-call", op, json.dumps(args)]
+
+
+def parse_agent_reply(stdout: str, stderr: str) -> dict[str, Any]:
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(reply, dict):
+            return reply
+    raise JobControlError(f"no answer from the job's node agent: {stderr.strip() or stdout.strip()}")
+
+
+class JobControl:
+    def __init__(self, config: Config, slurm: SlurmClient, caller_uid: int,
+                 say: Callable[[str], None] = print, ctl: str | None = None):
+        self.config = config
+        self.slurm = slurm
+        self.caller_uid = caller_uid
+        self.say = say
+        self.ctl = ctl or str(Path(sys.executable).with_name("singularityctl"))
+
+    def _call(self, record: dict[str, str], op: str, args: dict[str, Any]) -> dict[str, Any]:
+        job_id = int(record["JobId"])
+        argv = agent_call_argv(self.ctl, job_id, record["BatchHost"], op, args)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        reply = parse_agent_reply(proc.stdout, proc.stderr)
+        if not reply.get("ok"):
+            raise JobControlError(f"job {job_id}: {reply.get('error')}")
+        return reply
+
+    def checkpoint(self, job_id: int) -> dict[str, Any]:
+        record = check_target(self.slurm.job(job_id), job_id, self.caller_uid, self.config, "checkpoint")
+        self.say(f"checkpointing job {job_id} on {record['BatchHost']} (it keeps running)...")
+        return self._call(record, "checkpoint", {"reason": "manual", "stop": False})
+
+    def migrate(self, job_id: int, exclude: list[str] | None, wait: float = 180.0) -> dict[str, Any]:
+        record = check_target(self.slurm.job(job_id), job_id, self.caller_uid, self.config, "migrate")
+        nodes = expand_hostlist(record.get("NodeList", ""))
+        exclude = exclude or nodes
+        unknown = sorted(set(exclude) - set(self.slurm.nodes()))
+        if unknown:
+            raise JobControlError(f"--exclude names unknown node(s) {', '.join(unknown)}")
+        restarts = int(record.get("Restarts", 0) or 0)
+        self.say(f"migrating job {job_id} away from {','.join(exclude)}: checkpointing...")
+        reply = self._call(record, "migrate", {"exclude": exclude})
+        self.say(f"checkpoint {reply['seq']} committed in {reply['seconds']:.1f}s; job requeued")
+        if wait <= 0:
+            return reply
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            now = self.slurm.job(job_id) or {}
+            if (int(now.get("Restarts", 0) or 0) > restarts and now.get("JobState") == "RUNNING"
+                    and now.get("NodeList")):
+                self.say(f"job {job_id} runs again on {now['NodeList']} (restart "
+                         f"{now.get('Restarts')})")
+                return {**reply, "nodes": expand_hostlist(now["NodeList"])}
+            time.sleep(0.5)
+        self.say(f"job {job_id} is requeued but not running again after {wait:.0f}s: "
+                 f"{(self.slurm.job(job_id) or {}).get('Reason')}")
+        return reply

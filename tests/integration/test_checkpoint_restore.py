@@ -1,0 +1,163 @@
+"""Transparent checkpoint and restore of an unmodified training job on the real cluster.
+
+The reference workload (examples/train_reference.py: PyTorch, DataLoader worker processes, no
+checkpoint code) runs under `singularityctl run`. Its log, with the launcher's own "[singularity]"
+lines and Slurm's notices removed, must be byte-identical to an undisturbed run's, however often the
+job was preempted, migrated or restored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CTL, run_as
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "train_reference.py"
+PYTHON = str(Path(CTL).with_name("python"))
+STEPS = 300
+
+TRAIN = f"""#!/bin/bash
+#SBATCH --singularity-sla=basic
+#SBATCH --gres=gpu:4
+#SBATCH -o train.out
+exec {CTL} run {{options}} -- {PYTHON} train_reference.py --steps {STEPS} --sleep 0.05
+"""
+
+URGENT = """#!/bin/bash
+#SBATCH --singularity-sla=premium
+#SBATCH --gres=gpu:4
+#SBATCH -o urgent-%j.out
+sleep 3
+"""
+
+
+def training_log(text: str) -> str:
+    """The job's own output: the launcher's lines and Slurm's notices removed."""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith(("[singularity]", "slurmstepd")))
+
+
+@pytest.fixture(scope="module")
+def reference_log() -> str:
+    """L0: the same command, run undisturbed by the job user."""
+    work = Path("/home/jobuser/tests/reference")
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.copy(EXAMPLE, work)
+    proc = subprocess.run(["runuser", "-u", "jobuser", "--", PYTHON, "train_reference.py", "--steps",
+                           str(STEPS), "--sleep", "0"], cwd=work, capture_output=True, text=True,
+                          timeout=300)
+    shutil.rmtree(work, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("\n") == STEPS + 1
+    return proc.stdout
+
+
+def _start_training(jobs, options: str = "") -> tuple[int, Path]:
+    shutil.copy(EXAMPLE, jobs.workdir)
+    shutil.chown(jobs.workdir / "train_reference.py", jobs.user)
+    job_id = jobs.submit(jobs.script("train.sh", TRAIN.format(options=options)))
+    log = jobs.wait_for_file("train.out")
+    _wait_for_text(jobs, job_id, log, "step 20 ")
+    return job_id, log
+
+
+def _wait_for_text(jobs, job_id: int, log: Path, text: str, count: int = 1, timeout: float = 120) -> None:
+    jobs.wait(job_id, lambda r: log.read_text().count(text) >= count,
+              f"printing {text!r} x{count}", timeout=timeout)
+
+
+def _preempt(jobs, job_id: int, log: Path, restores_before: int) -> None:
+    node = jobs.record(job_id)["NodeList"]
+    urgent = jobs.submit(jobs.script("urgent.sh", URGENT), f"--nodelist={node}")
+    _wait_for_text(jobs, job_id, log, "restored checkpoint", restores_before + 1)
+    jobs.wait_state(urgent, "COMPLETED")
+
+
+def test_preempted_twice_and_migrated_once_the_log_is_byte_identical(jobs, reference_log, job_user):
+    job_id, log = _start_training(jobs)
+
+    _preempt(jobs, job_id, log, restores_before=0)
+    _wait_for_text(jobs, job_id, log, "step ", count=120)
+    _preempt(jobs, job_id, log, restores_before=1)
+    _wait_for_text(jobs, job_id, log, "step ", count=180)
+
+    before = jobs.record(job_id)["NodeList"]
+    proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id)])
+    assert proc.returncode == 0, proc.stderr
+    assert f"runs again on {'n2' if before == 'n1' else 'n1'}" in proc.stdout
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    text = log.read_text()
+    assert training_log(text) == reference_log
+    assert text.count("preemption warning (SIGUSR2): checkpointing") == 2
+    assert text.count("restored checkpoint") == 3
+    assert "checkpointed for migration" in text
+    assert int(jobs.record(job_id)["Restarts"]) == 3
+
+
+def test_after_a_periodic_checkpoint_a_killed_job_resumes_from_it(jobs, reference_log):
+    job_id, log = _start_training(jobs, options="--checkpoint-interval 0.1")
+    _wait_for_text(jobs, job_id, log, "periodic checkpoint")
+    time.sleep(1)
+    # The training process and its DataLoader workers (not the launcher, whose command line names
+    # the script too).
+    pids = subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"],
+                          capture_output=True, text=True).stdout.split()
+    assert pids
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    _wait_for_text(jobs, job_id, log, "restored checkpoint")
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    text = log.read_text()
+    assert "were killed (status 137); requeueing to resume from checkpoint" in text
+    resumed = training_log(text.split("restored checkpoint", 1)[1].split("\n", 1)[1])
+    assert resumed, "nothing was printed after the restore"
+    assert reference_log.endswith(resumed)
+    # At most one checkpoint interval of steps is repeated: the resumed run starts at a step that
+    # the killed run had already printed.
+    first = re.match(r"step (\d+) ", resumed)[1]
+    assert f"step {first} " in text.split("restored checkpoint", 1)[0]
+
+
+def test_checkpoint_command_keeps_the_job_running(jobs, reference_log, job_user):
+    job_id, log = _start_training(jobs)
+    proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"checkpoint \d+ committed in [\d.]+s", proc.stdout)
+    assert jobs.record(job_id)["JobState"] == "RUNNING"
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+    assert training_log(log.read_text()) == reference_log
+
+
+def test_migrate_of_a_nonexistent_job_fails_clearly(job_user):
+    proc = run_as(job_user.pw_name, [CTL, "migrate", "999999"])
+    assert proc.returncode == 1
+    assert "no job 999999" in proc.stderr
+
+
+def test_migrate_of_another_users_job_is_refused_and_changes_nothing(jobs, other_user):
+    job_id, log = _start_training(jobs)
+    before = jobs.record(job_id)
+    proc = run_as(other_user, [CTL, "migrate", str(job_id)])
+    assert proc.returncode == 1
+    assert f"job {job_id} belongs to jobuser: you can only migrate your own jobs" in proc.stderr
+    after = jobs.record(job_id)
+    assert (after["JobState"], after["Restarts"], after["NodeList"]) == (
+        "RUNNING", before["Restarts"], before["NodeList"])
+    assert "checkpoint" not in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def other_user() -> str:
+    name = "jobuser2"
+    if subprocess.run(["id", name], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--create-home", name], check=True)
+    return name
