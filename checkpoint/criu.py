@@ -43,9 +43,33 @@ def build_shim(prefix: Path, compiler: str = "cc") -> Path:
     return output
 
 
+def install_filelog_shim(prefix: Path) -> Path:
+    """PREFIX/lib/singularity_filelog.so, replaced only when its bytes change.
+
+    Running jobs map this library; replacing it with an identical copy would leave them mapping a
+    deleted file, which criu must then carry in every image.
+    """
+    from singularity_slurm.interpose import filelog
+
+    output = prefix / "lib" / filelog.SHIM_LIBRARY
+    fresh = filelog.build_shim(output.with_name(f".{output.name}.new"))
+    if output.exists() and output.read_bytes() == fresh.read_bytes():
+        fresh.unlink()
+    else:
+        os.rename(fresh, output)
+    return output
+
+
+def filelog_shim_path(prefix: Path) -> Path:
+    from singularity_slurm.interpose import filelog
+
+    return prefix / "lib" / filelog.SHIM_LIBRARY
+
+
 def install_wrapper(prefix: Path, criu: Path) -> Path:
     """PREFIX/bin/singularity-criu: runs `criu` with the shim preloaded; what the agent executes."""
     shim = build_shim(prefix)
+    install_filelog_shim(prefix)
     wrapper = prefix / "bin" / WRAPPER
     wrapper.parent.mkdir(parents=True, exist_ok=True)
     tmp = wrapper.with_name(f".{wrapper.name}.tmp")

@@ -41,14 +41,19 @@ def pages_boundaries(images_dir: Path) -> dict[str, list[int]]:
 
 
 def upload(store: CheckpointStore, job_id: int, images_dir: Path, reason: str,
-           meta: Mapping[str, Any]) -> Manifest:
-    """Store every file of a CRIU image folder as one checkpoint; committed only when all is stored."""
+           meta: Mapping[str, Any], extra: Mapping[str, Path] | None = None) -> Manifest:
+    """Store a CRIU image folder (and `extra` files: checkpoint path -> source) as one checkpoint.
+
+    Nothing is visible until every file is stored and the manifest is committed.
+    """
     boundaries = pages_boundaries(images_dir)
     with store.begin(job_id, reason=reason, meta=dict(meta)) as writer:
         for path in sorted(images_dir.rglob("*")):
             if path.is_file():
                 rel = path.relative_to(images_dir).as_posix()
                 writer.add_file(f"images/{rel}", path, boundaries=boundaries.get(path.name))
+        for rel, path in (extra or {}).items():
+            writer.add_file(rel, path)
         return writer.commit()
 
 

@@ -11,7 +11,7 @@ from singularity_slurm.config import load
 from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import RegistryError, SingularityError
 from singularity_slurm.jobenv import JobContext, job_run_dir
-from singularity_slurm.node import services
+from singularity_slurm.node import localfiles, services
 from singularity_slurm.nodelog import node_logger
 
 
@@ -35,6 +35,7 @@ def run(env: dict[str, str]) -> int:
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
         log.info("stopped services %s, removed %s", stopped or "none", run_dir)
+    shutil.rmtree(localfiles.log_path(config.paths.state_dir, job.job_id).parent, ignore_errors=True)
     try:
         Registry(connect(config.redis)).record_node_end(job.job_id, job.node, time.time())
     except (RegistryError, OSError) as exc:

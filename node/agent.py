@@ -130,7 +130,7 @@ class AgentState:
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
-            result = engine.restore(self.job_id)
+            result = engine.restore(self.job_id, self.job_uid)
             self.init_pid = result["init_pid"]
             self._running(result.pop("waiter"))
         LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from singularity_slurm.checkpoint import engine as images
-from singularity_slurm.checkpoint.criu import Criu, wrapper_path
+from singularity_slurm.checkpoint.criu import Criu, filelog_shim_path, wrapper_path
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
 from singularity_slurm.errors import CheckpointError, NoCheckpoint, SingularityError
+from singularity_slurm.interpose import filelog
 from singularity_slurm.slurm_plugin.slurm import SlurmClient
 
-from . import jobtree
+from . import jobtree, localfiles
 from .agent import RequestError
 
 KEEP_CHECKPOINTS = 3
@@ -77,6 +78,12 @@ class CheckpointEngine:
                                                 for k, v in env.items()):
             raise RequestError("start needs env: an object of strings")
         gid = pwd.getpwuid(uid).pw_gid
+        job_id = int(env.get("SINGULARITY_JOB_ID") or env.get("SLURM_JOB_ID") or 0)
+        if job_id:
+            log = localfiles.log_path(self.config.paths.state_dir, job_id)
+            localfiles.prepare_log(log, uid, gid)
+            env = {**env, **filelog.env_for(filelog_shim_path(self.config.paths.prefix), log,
+                                            ld_preload=env.get("LD_PRELOAD") or None)}
         return jobtree.TreeSpec(argv, uid, gid, cwd, output, env)
 
     def start(self, spec: jobtree.TreeSpec) -> tuple[int, Callable[[], int]]:
@@ -99,10 +106,11 @@ class CheckpointEngine:
         try:
             self.criu.dump(init_pid, work, leave_running=not stop)
             dumped = time.monotonic()
+            local = localfiles.collect(localfiles.log_path(self.config.paths.state_dir, job_id), uid)
             manifest = images.upload(self.store, job_id, work, reason, {
-                "node": self.node, "uid": uid,
-                "dump_seconds": round(dumped - started, 3),
-            })
+                "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
+                "local_files": sorted(k for k in local if k != localfiles.LOG_ENTRY),
+            }, extra=local)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         try:
@@ -113,7 +121,7 @@ class CheckpointEngine:
 
     # --- restore ----------------------------------------------------------------------------------
 
-    def restore(self, job_id: int) -> dict[str, Any]:
+    def restore(self, job_id: int, uid: int) -> dict[str, Any]:
         started = time.monotonic()
         try:
             manifest, refused = self.store.latest_valid(job_id)
@@ -124,6 +132,11 @@ class CheckpointEngine:
         work.mkdir(mode=0o700, parents=True)
         try:
             image_dir = images.download(self.store, manifest, work)
+            gid = pwd.getpwuid(uid).pw_gid
+            log = work / localfiles.LOG_ENTRY
+            localfiles.prepare_log(localfiles.log_path(self.config.paths.state_dir, job_id), uid, gid,
+                                   log.read_bytes() if log.exists() else None)
+            localfiles.put_back(work, uid, gid)
             pid = self.criu.restore(image_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -161,3 +161,47 @@ def other_user() -> str:
     if subprocess.run(["id", name], capture_output=True).returncode != 0:
         subprocess.run(["useradd", "--create-home", name], check=True)
     return name
+
+
+LOCAL_FILE_JOB = f"""#!/bin/bash
+#SBATCH --singularity-sla=basic
+#SBATCH --gres=gpu:4
+#SBATCH -o local.out
+exec {CTL} run -- {PYTHON} local_file.py
+"""
+
+LOCAL_FILE_SCRIPT = """
+import os, time
+path = "/tmp/singularity-test-" + os.environ["SLURM_JOB_ID"] + "/scratch.txt"
+os.makedirs(os.path.dirname(path), exist_ok=True)
+with open(path, "w") as handle:
+    handle.write("written before the migration\\n")
+print("wrote", path, flush=True)
+for step in range(1, 41):
+    print("step", step, flush=True)
+    time.sleep(0.25)
+print("read back:", open(path).read().strip(), flush=True)
+"""
+
+
+def test_a_file_written_in_tmp_travels_with_a_migration(jobs, job_user):
+    jobs.script("local_file.py", LOCAL_FILE_SCRIPT)
+    job_id = jobs.submit(jobs.script("local.sh", LOCAL_FILE_JOB))
+    log = jobs.wait_for_file("local.out")
+    _wait_for_text(jobs, job_id, log, "step 4\n")
+    scratch = Path(f"/tmp/singularity-test-{job_id}/scratch.txt")
+    assert scratch.read_text() == "written before the migration\n"
+    first_node = jobs.record(job_id)["NodeList"]
+
+    proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id), "--no-wait"])
+    assert proc.returncode == 0, proc.stderr
+    # The dev cluster's nodes share one /tmp: remove the file, as if the job moved to another host.
+    shutil.rmtree(scratch.parent)
+    _wait_for_text(jobs, job_id, log, "restored checkpoint")
+    jobs.wait_state(job_id, "COMPLETED", timeout=120)
+
+    assert jobs.record(job_id)["NodeList"] != first_node
+    assert "read back: written before the migration" in log.read_text()
+    assert scratch.read_text() == "written before the migration\n"
+    assert scratch.stat().st_uid == job_user.pw_uid
+    shutil.rmtree(scratch.parent)
