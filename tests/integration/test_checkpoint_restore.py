@@ -8,6 +8,7 @@ job was preempted, migrated or restored.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -205,3 +206,18 @@ def test_a_file_written_in_tmp_travels_with_a_migration(jobs, job_user):
     assert scratch.read_text() == "written before the migration\n"
     assert scratch.stat().st_uid == job_user.pw_uid
     shutil.rmtree(scratch.parent)
+
+
+def test_the_second_checkpoint_stores_at_most_a_quarter_of_the_first(jobs, job_user):
+    job_id, log = _start_training(jobs)
+    _wait_for_text(jobs, job_id, log, "step 50 ")
+    sizes = []
+    for step in ("step 50 ", "step 150 "):
+        _wait_for_text(jobs, job_id, log, step)
+        proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id), "--json"])
+        assert proc.returncode == 0, proc.stderr
+        sizes.append(json.loads(proc.stdout))
+    first, second = sizes
+    assert second["seq"] == first["seq"] + 1
+    assert second["logical_bytes"] > 100 << 20  # a whole PyTorch process tree, not a stub
+    assert second["new_bytes"] <= 0.25 * first["new_bytes"], sizes

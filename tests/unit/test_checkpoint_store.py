@@ -17,6 +17,7 @@ import pytest
 import xxhash
 
 from singularity_slurm.checkpoint.store import (
+    DEFAULT_MAX_CHUNK,
     CheckpointStore,
     FileEntry,
     Manifest,
@@ -36,7 +37,8 @@ from singularity_slurm.errors import (
 )
 
 KiB = 1024
-CHUNK = 256 * KiB
+CHUNK = DEFAULT_MAX_CHUNK
+BIG = 256 * KiB  # the region tests are laid out for chunks of this size
 JOB = 42
 
 
@@ -241,7 +243,8 @@ def test_an_unchanged_checkpoint_stores_nothing_new(store: CheckpointStore) -> N
     assert math.isinf(again.dedup_ratio)
 
 
-def test_a_region_inserted_between_boundaries_changes_only_its_own_chunks(store: CheckpointStore) -> None:
+def test_a_region_inserted_between_boundaries_changes_only_its_own_chunks(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "store", max_chunk=BIG)
     region_a, region_b, inserted = noise(600 * KiB, 1), noise(300 * KiB, 2), noise(100 * KiB, 3)
 
     first = commit(store, {"img/pages-1.img": region_a + region_b},
@@ -250,20 +253,21 @@ def test_a_region_inserted_between_boundaries_changes_only_its_own_chunks(store:
                     boundaries={"img/pages-1.img": [0, 600 * KiB, 700 * KiB]})
 
     old, new = hashes(first, "img/pages-1.img"), hashes(second, "img/pages-1.img")
-    assert [ref.length for ref in file_of(first, "img/pages-1.img").chunks] == [CHUNK, CHUNK, 88 * KiB,
-                                                                                   CHUNK, 44 * KiB]
+    assert [ref.length for ref in file_of(first, "img/pages-1.img").chunks] == [BIG, BIG, 88 * KiB,
+                                                                                   BIG, 44 * KiB]
     assert new == old[:3] + [xxhash.xxh3_128_hexdigest(inserted)] + old[3:]
     assert second.new_bytes == 100 * KiB
 
 
-def test_without_boundaries_an_insertion_shifts_every_later_chunk(store: CheckpointStore) -> None:
+def test_without_boundaries_an_insertion_shifts_every_later_chunk(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "store", max_chunk=BIG)
     region_a, region_b, inserted = noise(600 * KiB, 1), noise(300 * KiB, 2), noise(100 * KiB, 3)
 
     commit(store, {"img/pages-1.img": region_a + region_b})
     second = commit(store, {"img/pages-1.img": region_a + inserted + region_b})
 
     # Only the two chunks wholly before the insertion point are reused.
-    assert second.new_bytes == second.logical_bytes - 2 * CHUNK
+    assert second.new_bytes == second.logical_bytes - 2 * BIG
 
 
 # --- abort ----------------------------------------------------------------------------------------
