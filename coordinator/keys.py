@@ -26,3 +26,8 @@ def job_events(job_id: int | str) -> str:
 def jobs() -> str:
     """Sorted set: every job id we know, scored by its last update time."""
     return f"{PREFIX}:jobs"
+
+
+def job_checkpoints(job_id: int | str) -> str:
+    """List: summaries of the job's committed checkpoints, oldest first, as JSON (an index of the store)."""
+    return f"{PREFIX}:job:{job_id}:checkpoints"

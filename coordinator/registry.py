@@ -93,8 +93,8 @@ class Registry:
         }))
         pipe.zadd(keys.jobs(), {str(start.job_id): now})
         pipe.zremrangebyscore(keys.jobs(), "-inf", now - RECORD_TTL_S)
-        for key in (keys.job(start.job_id), keys.job_nodes(start.job_id),
-                    keys.job_events(start.job_id), keys.job_node(start.job_id, start.node)):
+        for key in (keys.job(start.job_id), keys.job_nodes(start.job_id), keys.job_events(start.job_id),
+                    keys.job_checkpoints(start.job_id), keys.job_node(start.job_id, start.node)):
             pipe.persist(key)
         pipe.execute()
 
@@ -113,9 +113,28 @@ class Registry:
             pipe.hset(keys.job(job_id), mapping={"state": "ended", "ended_at": ended_at,
                                                  "updated_at": now})
             pipe.zadd(keys.jobs(), {str(job_id): now})
-            for key in (keys.job(job_id), keys.job_events(job_id)):
+            for key in (keys.job(job_id), keys.job_events(job_id), keys.job_checkpoints(job_id)):
                 pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
+
+    def record_checkpoint(self, job_id: int, summary: dict) -> None:
+        """Index a committed checkpoint (the store stays the truth; this only serves `status`)."""
+        pipe = self.redis.pipeline()
+        pipe.rpush(keys.job_checkpoints(job_id), json.dumps(summary))
+        pipe.ltrim(keys.job_checkpoints(job_id), -50, -1)
+        pipe.rpush(keys.job_events(job_id), json.dumps(
+            {"event": "checkpoint", "seq": summary.get("seq"), "reason": summary.get("reason"),
+             "node": summary.get("node"), "time": self.clock()}))
+        pipe.execute()
+
+    def record_restore(self, job_id: int, node: str, seq: int, seconds: float | None,
+                       refused: list[dict]) -> None:
+        self.redis.rpush(keys.job_events(job_id), json.dumps(
+            {"event": "restore", "seq": seq, "node": node, "seconds": seconds, "refused": refused,
+             "time": self.clock()}))
+
+    def checkpoints(self, job_id: int) -> list[dict]:
+        return [json.loads(e) for e in self.redis.lrange(keys.job_checkpoints(job_id), 0, -1)]
 
     def job(self, job_id: int) -> dict | None:
         record = self.redis.hgetall(keys.job(job_id))
@@ -144,6 +163,7 @@ class Registry:
                 "ended_at": float(record["ended_at"]) if "ended_at" in record else None,
                 "nodes": nodes,
                 "events": events,
+                "checkpoints": self.checkpoints(job_id),
             }
         except (KeyError, ValueError) as exc:
             raise RegistryError(f"malformed record {keys.job(job_id)}: {record!r}") from exc

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from singularity_slurm.checkpoint import engine as images
 from singularity_slurm.checkpoint.criu import Criu, filelog_shim_path, wrapper_path
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
+from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import CheckpointError, NoCheckpoint, SingularityError
 from singularity_slurm.interpose import filelog
 from singularity_slurm.slurm_plugin.slurm import SlurmClient
@@ -117,7 +120,16 @@ class CheckpointEngine:
             self.store.prune(job_id, keep=self.keep)
         except SingularityError:
             pass  # an old checkpoint left over costs space, not correctness
-        return summarize(manifest, time.monotonic() - started)
+        summary = summarize(manifest, time.monotonic() - started)
+        self._index(lambda registry: registry.record_checkpoint(job_id, summary))
+        return summary
+
+    def _index(self, action: Callable[[Registry], None]) -> None:
+        """Update the Redis index; an outage costs `status` detail, never a checkpoint."""
+        try:
+            action(Registry(connect(self.config.redis, timeout=2)))
+        except (SingularityError, OSError, redis.RedisError):
+            pass
 
     # --- restore ----------------------------------------------------------------------------------
 
@@ -140,10 +152,14 @@ class CheckpointEngine:
             pid = self.criu.restore(image_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        summary = summarize(manifest, time.monotonic() - started)
+        refusals = [{"seq": r.seq, "reason": r.reason} for r in refused]
+        self._index(lambda registry: registry.record_restore(job_id, self.node, manifest.seq,
+                                                             summary["seconds"], refusals))
         return {
-            **summarize(manifest, time.monotonic() - started),
+            **summary,
             "init_pid": pid,
-            "refused": [{"seq": r.seq, "reason": r.reason} for r in refused],
+            "refused": refusals,
             "waiter": lambda: _exit_status(os.waitpid(pid, 0)[1]),
         }
 

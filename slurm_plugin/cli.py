@@ -83,6 +83,8 @@ def status(config_path: Path | None, job_id: int | None, as_json: bool) -> None:
         click.echo(f"singularityctl: warning: {warning}", err=True)
     if as_json:
         click.echo(json.dumps(merged if job_id is None else merged[0], indent=2))
+    elif merged and job_id is not None:
+        click.echo(status_mod.format_details(merged[0]))
     elif merged:
         click.echo(status_mod.format_table(merged))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from singularity_slurm.config import Config
@@ -52,21 +53,61 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
             "node_gpus": {n: v["gpus"] for n, v in record.get("nodes", {}).items()},
             "events": record.get("events", []),
         }
+        out["checkpoints"] = record.get("checkpoints", [])
+        out["restores"] = [e for e in record.get("events", []) if e.get("event") == "restore"]
     else:
         out["registry"] = None
+    out.setdefault("checkpoints", [])
+    out.setdefault("restores", [])
     out["managed"] = out.get("tier") is not None
     return out
 
 
 def format_table(jobs: list[dict[str, Any]]) -> str:
-    headers = ["JOBID", "USER", "TIER", "STATE", "RESTARTS", "GPUS", "NODES", "REASON"]
+    headers = ["JOBID", "USER", "TIER", "STATE", "RESTARTS", "GPUS", "NODES", "CKPTS", "REASON"]
     rows = [[
         str(j.get("job_id")), str(j.get("user") or "-"), str(j.get("tier") or "-"),
         str(j.get("state") or "-"), str(j.get("restart_count", 0)), str(j.get("gpus") or 0),
-        ",".join(j.get("nodes") or []) or "-", str(j.get("reason") or ""),
+        ",".join(j.get("nodes") or []) or "-", str(len(j.get("checkpoints") or [])),
+        str(j.get("reason") or ""),
     ] for j in jobs]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _when(seconds: float | None) -> str:
+    if not seconds:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def _mib(n: int | None) -> str:
+    return f"{(n or 0) / (1 << 20):.1f} MiB"
+
+
+def format_details(job: dict[str, Any]) -> str:
+    """The checkpoints and restores of one job, below its table row."""
+    lines = [format_table([job]), ""]
+    checkpoints = job.get("checkpoints") or []
+    if checkpoints:
+        lines.append("checkpoints (newest last):")
+        lines.append("  SEQ  TIME                 REASON    NODE  LOGICAL      STORED       DEDUP  SECONDS")
+        for c in checkpoints:
+            ratio = f"{c['dedup_ratio']:.1f}x" if c.get("dedup_ratio") else "-"
+            lines.append(f"  {c.get('seq', '-'):<4} {_when(c.get('created_at')):<20} "
+                         f"{c.get('reason', '-'):<9} {c.get('node') or '-':<5} "
+                         f"{_mib(c.get('logical_bytes')):<12} {_mib(c.get('new_bytes')):<12} "
+                         f"{ratio:<6} {c.get('seconds') if c.get('seconds') is not None else '-'}")
+    else:
+        lines.append("checkpoints: none recorded")
+    restores = job.get("restores") or []
+    if restores:
+        lines.append("restores:")
+        for r in restores:
+            refused = "".join(f"; checkpoint {x['seq']} refused: {x['reason']}" for x in r.get("refused", []))
+            lines.append(f"  {_when(r.get('time'))}  checkpoint {r.get('seq')} on {r.get('node')} "
+                         f"in {r.get('seconds')}s{refused}")
     return "\n".join(lines)

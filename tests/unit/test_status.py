@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from singularity_slurm.config import parse
 from singularity_slurm.slurm_plugin.slurm import parse_record
-from singularity_slurm.slurm_plugin.status import format_table, merge_job
+from singularity_slurm.slurm_plugin.status import format_details, format_table, merge_job
 
 CONFIG = parse({})
 
@@ -40,7 +40,7 @@ def test_slurm_record_alone_gives_the_whole_view_without_registry() -> None:
         "job_id": 42, "name": "train", "user": "jobuser", "uid": 1001, "partition": "standard",
         "state": "RUNNING", "reason": None, "restart_count": 2, "requeue": True,
         "gpus_per_node": 2, "gpus": 4, "nodes": ["n1", "n2"], "tier": "standard",
-        "registry": None, "managed": True,
+        "registry": None, "managed": True, "checkpoints": [], "restores": [],
     }
 
 
@@ -100,6 +100,7 @@ def test_registry_record_alone_for_an_ended_job() -> None:
     assert job == {
         "job_id": 42, "user": "jobuser", "uid": 1001, "partition": "premium", "state": "ENDED",
         "restart_count": 1, "nodes": ["n1", "n2"], "tier": "premium", "managed": True,
+        "checkpoints": [], "restores": [],
         "registry": {
             "state": "ended", "restart_count": 1, "first_started_at": 100.0, "started_at": 200.0,
             "ended_at": 300.0, "node_gpus": {"n2": ["0", "1"], "n1": ["2"]},
@@ -118,6 +119,7 @@ def test_sparse_registry_record_gets_defaults() -> None:
     assert job == {
         "job_id": 7, "user": None, "uid": None, "partition": None, "state": "UNKNOWN",
         "restart_count": 0, "nodes": [], "tier": None, "managed": False,
+        "checkpoints": [], "restores": [],
         "registry": {"state": None, "restart_count": None, "first_started_at": None,
                      "started_at": None, "ended_at": None, "node_gpus": {}, "events": []},
     }
@@ -159,7 +161,7 @@ def test_registry_tier_makes_a_job_in_an_unknown_partition_managed() -> None:
 
 
 def test_empty_table_is_the_header_line() -> None:
-    assert format_table([]) == "JOBID  USER  TIER  STATE  RESTARTS  GPUS  NODES  REASON"
+    assert format_table([]) == "JOBID  USER  TIER  STATE  RESTARTS  GPUS  NODES  CKPTS  REASON"
 
 
 def test_table_columns_are_aligned_and_missing_values_dashed() -> None:
@@ -171,8 +173,25 @@ def test_table_columns_are_aligned_and_missing_values_dashed() -> None:
     ]
 
     assert format_table(jobs).splitlines() == [
-        "JOBID    USER     TIER      STATE    RESTARTS  GPUS  NODES  REASON",
-        "42       jobuser  standard  RUNNING  2         4     n1,n2",
-        "1234567  -        -         PENDING  0         0     -      Priority",
-        "9        -        premium   ENDED    1         0     n1,n2",
+        "JOBID    USER     TIER      STATE    RESTARTS  GPUS  NODES  CKPTS  REASON",
+        "42       jobuser  standard  RUNNING  2         4     n1,n2  0",
+        "1234567  -        -         PENDING  0         0     -      0      Priority",
+        "9        -        premium   ENDED    1         0     n1,n2  0",
     ]
+
+
+def test_checkpoints_and_restores_come_from_the_registry() -> None:
+    checkpoint = {"seq": 3, "created_at": 250.0, "reason": "preempt", "node": "n1",
+                  "logical_bytes": 600 << 20, "new_bytes": 30 << 20, "dedup_ratio": 20.0, "seconds": 4.2}
+    restore = {"event": "restore", "seq": 3, "node": "n2", "seconds": 2.5, "refused": [], "time": 260.0}
+    record = registry_record(checkpoints=[checkpoint])
+    record["events"] = [*record["events"], restore]
+
+    job = merge_job(RUNNING, record, CONFIG)
+
+    assert job["checkpoints"] == [checkpoint]
+    assert job["restores"] == [restore]
+    assert format_table([job]).splitlines()[1].split()[7] == "1"
+    details = format_details(job)
+    assert "preempt" in details and "600.0 MiB" in details and "30.0 MiB" in details
+    assert "checkpoint 3 on n2 in 2.5s" in details
