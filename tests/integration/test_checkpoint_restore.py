@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import CTL, run_as
 
+from singularity_slurm.checkpoint.store import CheckpointStore
+
 EXAMPLE = Path(__file__).parents[2] / "examples" / "train_reference.py"
 PYTHON = str(Path(CTL).with_name("python"))
 STEPS = 300
@@ -28,7 +30,7 @@ TRAIN = f"""#!/bin/bash
 #SBATCH --singularity-sla=basic
 #SBATCH --gres=gpu:4
 #SBATCH -o train.out
-exec {CTL} run {{options}} -- {PYTHON} train_reference.py --steps {STEPS} --sleep 0.05
+exec {CTL} run {{options}} -- {PYTHON} train_reference.py --steps {STEPS} --sleep {{sleep}}
 """
 
 URGENT = """#!/bin/bash
@@ -60,10 +62,11 @@ def reference_log() -> str:
     return proc.stdout
 
 
-def _start_training(jobs, options: str = "") -> tuple[int, Path]:
+def _start_training(jobs, options: str = "", sleep: float = 0.05) -> tuple[int, Path]:
+    """Submit the reference job; `sleep` (seconds per step) stretches it without changing its log."""
     shutil.copy(EXAMPLE, jobs.workdir)
     shutil.chown(jobs.workdir / "train_reference.py", jobs.user)
-    job_id = jobs.submit(jobs.script("train.sh", TRAIN.format(options=options)))
+    job_id = jobs.submit(jobs.script("train.sh", TRAIN.format(options=options, sleep=sleep)))
     log = jobs.wait_for_file("train.out")
     _wait_for_text(jobs, job_id, log, "step 20 ")
     return job_id, log
@@ -221,3 +224,93 @@ def test_the_second_checkpoint_stores_at_most_a_quarter_of_the_first(jobs, job_u
     assert second["seq"] == first["seq"] + 1
     assert second["logical_bytes"] > 100 << 20  # a whole PyTorch process tree, not a stub
     assert second["new_bytes"] <= 0.25 * first["new_bytes"], sizes
+
+
+def _checkpoint(job_id: int, user: str) -> dict:
+    proc = run_as(user, [CTL, "checkpoint", str(job_id), "--json"])
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _resumed_part(text: str, marker: str = "restored checkpoint") -> str:
+    return training_log(text.split(marker, 1)[1].split("\n", 1)[1])
+
+
+def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_is_used(jobs, reference_log, job_user,
+                                                                      config):
+    job_id, log = _start_training(jobs)
+    _wait_for_text(jobs, job_id, log, "step 60 ")
+    first = _checkpoint(job_id, job_user.pw_name)
+    _wait_for_text(jobs, job_id, log, "step 120 ")
+    second = _checkpoint(job_id, job_user.pw_name)
+
+    store = CheckpointStore(config.paths.store_root)
+    old = {c.hash for f in store.read(job_id, first["seq"]).files for c in f.chunks}
+    victim = next(c.hash for f in store.read(job_id, second["seq"]).files for c in f.chunks
+                  if c.hash not in old and f.path.startswith("images/pages-"))
+    chunk = store.chunk_path(job_id, victim)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+    pids = subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"],
+                          capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    _wait_for_text(jobs, job_id, log, "restored checkpoint")
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    text = log.read_text()
+    assert f"checkpoint {second['seq']} refused: " in text
+    assert f"restored checkpoint {first['seq']} " in text
+    assert reference_log.endswith(_resumed_part(text))
+    status = json.loads(subprocess.run([CTL, "status", str(job_id), "--json"], capture_output=True,
+                                       text=True).stdout)
+    assert status["restores"][-1]["seq"] == first["seq"]
+    assert status["restores"][-1]["refused"][0]["seq"] == second["seq"]
+
+
+@pytest.fixture
+def small_store(config):
+    """Mounts a tmpfs barely larger than a job's checkpoints over its folder in the store."""
+    mounted: list[Path] = []
+
+    def shrink(job_id: int, spare_mib: int = 8) -> Path:
+        job_dir = CheckpointStore(config.paths.store_root).job_dir(job_id)
+        used = int(subprocess.run(["du", "-sm", str(job_dir)], capture_output=True, text=True,
+                                  check=True).stdout.split()[0])
+        copy = Path(f"/tmp/singularity-store-copy-{job_id}")
+        shutil.copytree(job_dir, copy)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used + spare_mib}m,mode=700", "tmpfs",
+                        str(job_dir)], check=True)
+        mounted.append(job_dir)
+        subprocess.run(["cp", "-a", f"{copy}/.", str(job_dir)], check=True)
+        shutil.rmtree(copy)
+        return job_dir
+
+    yield shrink
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_store_during_a_dump_keeps_the_last_checkpoint_and_the_job(jobs, reference_log, job_user,
+                                                                          config, small_store):
+    job_id, log = _start_training(jobs, sleep=0.15)
+    _wait_for_text(jobs, job_id, log, "step 60 ")
+    first = _checkpoint(job_id, job_user.pw_name)
+    small_store(job_id)
+
+    node = jobs.record(job_id)["NodeList"]
+    urgent = jobs.submit(jobs.script("urgent.sh", URGENT), f"--nodelist={node}")
+    _wait_for_text(jobs, job_id, log, "restored checkpoint", timeout=180)
+    jobs.wait_state(urgent, "COMPLETED")
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    text = log.read_text()
+    notes = [line for line in text.splitlines() if line.startswith("[singularity]")]
+    assert any("checkpoint failed: " in n and "is full (No space left on device)" in n for n in notes), notes
+    assert f"restored checkpoint {first['seq']} " in text
+    assert reference_log.endswith(_resumed_part(text))
+    store = CheckpointStore(config.paths.store_root)
+    assert store.seqs(job_id) == [first["seq"]]
+    store.verify(store.read(job_id, first["seq"]))
