@@ -33,7 +33,7 @@ ENV_LOCAL_PATHS = "SINGULARITY_LOCAL_PATHS"
 def build_shim(output: Path, compiler: str = "cc", source: Path | None = None) -> Path:
     """Compile the shim to `output` (from the package's copy of the source unless `source` is given)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    packaged = resources.files(__package__).joinpath("filelog", SHIM_SOURCE)
+    packaged = resources.files(__package__).joinpath("csrc", SHIM_SOURCE)
     with resources.as_file(packaged if source is None else source) as src:
         tmp = output.with_name(f".{output.name}.build")
         argv = [compiler, "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-o", str(tmp), str(src), "-ldl"]

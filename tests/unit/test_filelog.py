@@ -32,7 +32,7 @@ from singularity_slurm.interpose.filelog import (
 )
 
 CC = shutil.which("cc")
-SOURCE = Path(__file__).parents[2] / "interpose/filelog/singularity_filelog.c"
+SOURCE = Path(__file__).parents[2] / "interpose/csrc/singularity_filelog.c"
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler `cc` (Debian: apt-get install gcc): "
                                                   "the shim is not built nor run")
 
@@ -469,7 +469,7 @@ def test_build_shim_with_a_missing_compiler_says_what_to_install(tmp_path: Path)
 
 
 @needs_cc
-@pytest.mark.skipif(not resources.files("singularity_slurm.interpose").joinpath("filelog", SHIM_SOURCE)
+@pytest.mark.skipif(not resources.files("singularity_slurm.interpose").joinpath("csrc", SHIM_SOURCE)
                     .is_file(), reason="the shim's source is not installed as package data yet")
 def test_build_shim_compiles_the_packaged_source(tmp_path: Path) -> None:
     output = build_shim(tmp_path / SHIM_LIBRARY)
