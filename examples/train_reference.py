@@ -5,7 +5,10 @@ processes, and prints every step number and its loss at full precision. Threads 
 so two uninterrupted runs print byte-identical logs: a run that was preempted, migrated and
 restored must print exactly the same.
 
-    python train_reference.py [--steps N] [--workers W] [--sleep SECONDS] [--hidden H]
+    python train_reference.py [--steps N] [--workers W] [--sleep SECONDS] [--hidden H] [--ballast-mb N]
+
+`--ballast-mb` adds N MiB of process memory that is not model state (think of a cached dataset), to
+measure how checkpoints scale with a job's size; it leaves the printed log unchanged.
 """
 
 from __future__ import annotations
@@ -18,13 +21,29 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def make_ballast(mib: int) -> torch.Tensor | None:
+    """N MiB of random float32, from a generator of its own so the training's random streams stay as
+    they are. Random, so no page is zero and no chunk deduplicates."""
+    if mib <= 0:
+        return None
+    return torch.rand(mib << 18, generator=torch.Generator().manual_seed(2))
+
+
+def touch_ballast(ballast: torch.Tensor, step: int) -> None:
+    # One element per step, a different page each time: the ballast stays dirty, live memory.
+    ballast[(step * 1024) % ballast.numel()] += 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     parser.add_argument("--sleep", type=float, default=0.05, help="pause per step (seconds)")
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--ballast-mb", type=int, default=0,
+                        help="extra MiB of random, dirty process memory (default 0: none)")
     args = parser.parse_args()
+    ballast = make_ballast(args.ballast_mb)
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -46,6 +65,8 @@ def main() -> int:
             loss.backward()
             optimizer.step()
             print(f"step {step} loss {loss.item()!r}", flush=True)
+            if ballast is not None:
+                touch_ballast(ballast, step)
             if step >= args.steps:
                 break
             time.sleep(args.sleep)

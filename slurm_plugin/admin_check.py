@@ -50,6 +50,7 @@ class Facts:
     criu_version: tuple[int, int] | None = None
     criu_check: str = ""
     pycriu: bool = False
+    node_files: dict[str, bool] = field(default_factory=dict)  # "criu wrapper" -> exists
     redis_error: str | None = "not checked"
     redis_requires_auth: bool | None = None
 
@@ -180,6 +181,9 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
         add(Result("criu check", "Looks good" in facts.criu_check,
                    facts.criu_check.strip().splitlines()[-1] if facts.criu_check.strip() else "no output",
                    f"run `{facts.criu_path} check` as root and fix what it reports"))
+    for name, present in sorted(facts.node_files.items()):
+        add(Result(name, present, "present" if present else "missing",
+                   "run `singularityctl admin install-node` on the compute nodes"))
     add(Result("pycriu", facts.pycriu, "importable" if facts.pycriu else "not importable",
                "install pycriu (Debian's python3-pycriu) into the project's venv"))
     if facts.redis_error:
@@ -247,6 +251,12 @@ def gather(config: Config, slurm: SlurmClient) -> Facts:
         check = subprocess.run([facts.criu_path, "check"], capture_output=True, text=True)
         facts.criu_check = check.stdout + check.stderr
     facts.pycriu = importlib.util.find_spec("pycriu") is not None
+    from singularity_slurm.checkpoint.criu import filelog_shim_path, wrapper_path
+
+    facts.node_files = {
+        "criu wrapper": os.access(wrapper_path(config.paths.prefix), os.X_OK),
+        "file-log shim": filelog_shim_path(config.paths.prefix).is_file(),
+    }
     try:
         connect(config.redis, timeout=3)
         facts.redis_error = None

@@ -240,6 +240,30 @@ def install_policy_cmd(config_path: Path | None, slurm_etc: Path) -> None:
         click.echo("policy files already up to date")
 
 
+@admin.command("install-node")
+@click.option("--criu", "criu_path", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="criu >= 4.0 to use [default: criu on PATH].")
+@click.pass_obj
+def install_node_cmd(config_path: Path | None, criu_path: Path | None) -> None:
+    """Prepare a compute node: build the file-log shim and the criu wrapper under the prefix.
+
+    Run it as root on every compute node (or once, with a shared prefix) after installing CRIU.
+    """
+    import shutil
+
+    from singularity_slurm.checkpoint.criu import install_wrapper
+
+    config = _load(config_path)
+    criu = criu_path or (Path(found) if (found := shutil.which("criu")) else None)
+    if criu is None:
+        _fail(SingularityError("criu not found: install CRIU >= 4.0 or give its path with --criu"))
+    try:
+        wrapper = install_wrapper(config.paths.prefix, criu)
+    except (SingularityError, OSError) as exc:
+        _fail(exc)
+    click.echo(f"criu wrapper: {wrapper} (runs {criu})")
+
+
 @main.group()
 def devcluster() -> None:
     """A two-node Slurm cluster on this machine (Debian 12/13, root), for demos and tests."""
