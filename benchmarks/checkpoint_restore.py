@@ -386,19 +386,27 @@ def format_ratios(rows: Sequence[Result]) -> list[str]:
     return lines
 
 
+DEFINITIONS = [
+    "warning -> stopped: from the preemption warning line to the batch step's exit (Singularity: "
+    "checkpoint, commit and requeue; torch.save: only the requeue, it saved while running)",
+    "running -> first step: from Slurm showing the requeued job RUNNING to its first step line",
+    "running -> new progress: from RUNNING to the first step beyond the last one printed before the "
+    "preemption (for torch.save this includes doing the lost steps again)",
+    "steps lost: last step before the preemption - (first step after it - 1)",
+    "job PSS: proportional set size of the training process and its DataLoader workers just before "
+    "the preemption; checkpoint / stored MiB: the launcher's commit line (logical size, newly stored "
+    "bytes); for torch.save the size of its file",
+    "times are taken by the benchmark polling every 0.1 s: about 0.1-0.2 s resolution; compare rows "
+    "of one run, not runs on different days or machines",
+]
+
+
 def format_report(meta: Mapping[str, object], rows: Sequence[Result]) -> str:
-    context = ", ".join(f"{key} {value}" for key, value in meta.items())
     ratios = format_ratios(rows)
     return "\n".join([
-        "# Checkpoint/restore benchmark", "", context, "", format_table(rows), "",
-        *(["Ratios (same run):", "", *ratios, ""] if ratios else []),
-        "Times are seconds measured by the benchmark polling every 0.1 s (resolution about 0.1-0.2 s). "
-        "warning -> stopped: the preemption warning line to the batch step's exit (Singularity: "
-        "checkpoint, commit and requeue; torch.save: requeue only, it saves while running). running -> "
-        "first step / new progress: Slurm shows the requeued job RUNNING to its first step, and to its "
-        "first step beyond the last one printed before the preemption. job PSS: the training process "
-        "and its DataLoader workers before the preemption. checkpoint and stored MiB: the launcher's "
-        "commit line (logical, newly stored); for torch.save the file's size.", ""])
+        "# Checkpoint/restore benchmark", "", ", ".join(f"{k} {v}" for k, v in meta.items()), "",
+        format_table(rows), "", *(["Ratios (same run):", "", *ratios, ""] if ratios else []),
+        *(f"- {line}" for line in DEFINITIONS), ""])
 
 
 # --- the job's processes -----------------------------------------------------------------------
@@ -588,7 +596,8 @@ class Bench:
             obs = observe(record, track.log)
             if (obs.state, obs.reason) != status:
                 status = (obs.state, obs.reason)
-                self.say(f"job {job}: Slurm {obs.state} ({obs.reason}) {obs.node} +{now - started:.1f}s")
+                where = f" on {obs.node}" if obs.node else ""
+                self.say(f"job {job}: Slurm {obs.state} ({obs.reason}){where} +{now - started:.1f}s")
             for event in new_events(track.seen, obs, self.s.preempt_at, requeued_line):
                 track.seen[event] = now
                 self.say(f"job {job}: {event} +{now - started:.1f}s (last step {obs.log.last_step})")
@@ -732,7 +741,8 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
     stamp = time.strftime("%Y%m%d-%H%M%S")
     slurm = SlurmClient()
     try:
-        prefix = config_mod.load().paths.prefix
+        paths = config_mod.load().paths
+        prefix = paths.prefix
         settings = Settings(user, str(prefix / "venv" / "bin" / "singularityctl"),
                             str(prefix / "venv" / "bin" / "python"), steps, step_sleep, preempt_at,
                             save_every, premium_sleep, job_timeout)
@@ -780,6 +790,9 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
     json_path.write_text(json.dumps(data, indent=2) + "\n")
     click.echo(json.dumps(data, indent=2) if as_json else report)
     _say(f"report: {md_path} (JSON: {json_path}); job folders and logs: {workdir}")
+    stored = [str(r.job_id) for r in results if r.workload == SINGULARITY and r.job_id is not None]
+    if stored:
+        _say(f"the Singularity jobs' checkpoints stay in {paths.store_root}/jobs/{{{','.join(stored)}}}")
     sys.exit(1 if any(r.note.startswith("failed") for r in results) else 0)
 
 

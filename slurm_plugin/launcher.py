@@ -29,6 +29,8 @@ from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
 from singularity_slurm.node.agent import request
 
+from .slurm import SlurmClient
+
 WARNING_SIGNALS = {"USR2": signal.SIGUSR2, "USR1": signal.SIGUSR1, "TERM": signal.SIGTERM}
 
 
@@ -168,12 +170,27 @@ class Launcher:
                 next_periodic = time.monotonic() + self.interval if self.interval else None
                 continue
             if kind == "signal":
+                if value == "SIGTERM" and not self.being_preempted():
+                    self.say("SIGTERM without a preemption (job cancelled or out of time): not checkpointing")
+                    return 143
                 return self.preempt(value)
             if kind == "lost":
                 self.say(f"lost the node agent ({value}); requeueing from the last checkpoint")
                 return 1
             if kind == "ended":
                 return self.ended(value)
+
+    def being_preempted(self) -> bool:
+        """Whether a SIGTERM is Slurm preempting the job (it records PreemptTime), not `scancel`.
+
+        SIGTERM is the fallback warning where preemption does not send the user signal; `scancel`
+        and the end of the time limit send it too, and those must not checkpoint and requeue.
+        """
+        try:
+            record = SlurmClient(timeout=10).job(self.info.job_id) or {}
+        except SingularityError:
+            return True  # cannot tell: a needless checkpoint costs less than a lost job
+        return record.get("PreemptTime", "None") not in ("None", "", "Unknown")
 
     def ended(self, reply: dict) -> int:
         state, status = reply.get("state"), int(reply.get("exit_status") or 0)

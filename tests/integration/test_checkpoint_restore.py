@@ -314,3 +314,19 @@ def test_a_full_store_during_a_dump_keeps_the_last_checkpoint_and_the_job(jobs, 
     store = CheckpointStore(config.paths.store_root)
     assert store.seqs(job_id) == [first["seq"]]
     store.verify(store.read(job_id, first["seq"]))
+
+
+def test_a_cancelled_job_is_not_checkpointed_or_requeued(jobs, job_user, config):
+    job_id, log = _start_training(jobs)
+    proc = run_as(job_user.pw_name, ["scancel", str(job_id)])
+    assert proc.returncode == 0, proc.stderr
+    jobs.wait_state(job_id, "CANCELLED")
+    _wait_for_text(jobs, job_id, log, "not checkpointing")
+    assert "committed" not in log.read_text()
+    assert jobs.record(job_id)["Restarts"] == "0"
+    assert CheckpointStore(config.paths.store_root).seqs(job_id) == []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and subprocess.run(
+            ["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"]).returncode == 0:
+        time.sleep(0.2)
+    assert subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"]).returncode == 1
