@@ -2,4 +2,7 @@
 
 `store` keeps checkpoints on a shared filesystem as content-addressed chunks (xxhash) and one
 manifest per checkpoint, committed atomically; it is the source of truth (Redis only indexes it).
+`criu` dumps and restores a process tree through pycriu; `images` moves CRIU image folders into the
+store and back, cutting chunks where memory regions start. The node agent drives them
+(`singularity_slurm.node.engine`).
 """

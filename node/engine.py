@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from singularity_slurm.checkpoint import engine as images
+from singularity_slurm.checkpoint import images
 from singularity_slurm.checkpoint.criu import Criu, filelog_shim_path, wrapper_path
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
