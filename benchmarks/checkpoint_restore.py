@@ -635,8 +635,8 @@ class Bench:
         return record is None or record.get("JobState") in TERMINAL
 
     def cancel(self, job: int) -> None:
-        # A plain scancel sends SIGTERM first, which the launcher takes for a preemption warning:
-        # it would checkpoint the job once more. SIGKILL ends the batch step (and the job) at once.
+        # A plain scancel sends SIGTERM first. The launcher checkpoints and requeues on SIGTERM when
+        # Slurm shows the job preempted, and this job just was. SIGKILL ends the batch step at once.
         self.slurm.run(["scancel", "--signal=KILL", str(job)], check=False)
         deadline = self.clock() + 5
         while not self.ended(job) and self.clock() < deadline:
@@ -751,7 +751,11 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
         runs = plan_runs(parse_sizes(ballast), parse_sizes(torchsave_ballast))
         if not runs:
             raise CannotStart("nothing to measure: give --ballast or --torchsave-ballast sizes")
-        workdir = workdir or Path(pwd.getpwnam(user).pw_dir) / f"bench-{stamp}"
+        try:
+            workdir = workdir or Path(pwd.getpwnam(user).pw_dir) / f"bench-{stamp}"
+        except KeyError as exc:
+            raise CannotStart(f"no user {user!r}: `singularityctl devcluster up` creates jobuser, "
+                              "or pass --user") from exc
         for note in prepare(slurm, settings, workdir):
             _say(note)
         meta = {"date": stamp, "host": socket.gethostname(), "cpus": os.cpu_count(),
