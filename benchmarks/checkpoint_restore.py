@@ -468,18 +468,22 @@ def training_script(kind: str, ballast: int, s: Settings) -> str:
     if kind == SINGULARITY:
         return head + f"exec {s.ctl} run -- {s.python} train_reference.py {args}\n"
     # What a careful user writes without Singularity: requeue on the warning. The training runs in the
-    # background so that bash handles the signal at once instead of after the child exits.
+    # background so that bash handles the signal at once instead of after the child exits, and is
+    # stopped first, as the preemption would: otherwise it trains (and saves) on while the requeue
+    # completes, which flatters the alternative.
     who = 'job $SLURM_JOB_ID on $SLURMD_NODENAME'
     return head + f"""echo "[torchsave] {who}: restart ${{SLURM_RESTART_COUNT:-0}}: starting"
 on_warning() {{
   echo "[torchsave] {who}: preemption warning (SIG$1): requeueing"
+  kill -9 "$TRAIN_PID" 2>/dev/null
   scontrol requeue "$SLURM_JOB_ID"
   echo "[torchsave] {who}: requeued"
   exit 0
 }}
 trap 'on_warning USR2' USR2
 {s.python} train_torchsave.py {args} --save-every {s.save_every} &
-wait $!
+TRAIN_PID=$!
+wait $TRAIN_PID
 """
 
 
