@@ -7,15 +7,17 @@ checkpoints it with CRIU into the store, restores it from the store, and reports
 
 Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error": "..."}`:
   ping                                   liveness and identity
-  start {argv, cwd, output, env}         start the tree
-  restore {}                             restore the newest valid checkpoint of the job
+  start {argv, cwd, output, env, rank}   start the tree (rank: the node's index in the job)
+  restore {rank, generation}             restore the newest valid checkpoint of the job (or, in a
+                                         multi-node job, this node's part of one generation)
   wait {}                                block until the tree ends: {"state", "exit_status"}
-  checkpoint {reason, stop}              dump (stop: the tree ends) and commit a checkpoint
+  checkpoint {reason, stop, generation}  dump (stop: the tree ends) and commit a checkpoint
   kill {}                                end the tree now
   requeue {exclude}                      requeue the job in Slurm (away from `exclude` nodes) and
                                          lift its requeue delay
   migrate {exclude}                      checkpoint (the tree stops), then requeue away from `exclude`
   latest {}                              the newest committed checkpoint of the job, or null
+  generations {rank}                     generations of this node's multi-node checkpoints
   status {}                              the tree's state and the last checkpoint
 """
 
@@ -115,6 +117,7 @@ class AgentState:
 
     def op_start(self, request: dict) -> dict:
         engine = self._need_engine()
+        engine.use_rank(request.get("rank", 0))
         spec = engine.tree_spec(request, self.job_uid)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
@@ -130,7 +133,8 @@ class AgentState:
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
-            result = engine.restore(self.job_id, self.job_uid)
+            engine.use_rank(request.get("rank", 0))
+            result = engine.restore(self.job_id, self.job_uid, request.get("generation"))
             self.init_pid = result["init_pid"]
             self._running(result.pop("waiter"))
         LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])
@@ -168,13 +172,17 @@ class AgentState:
         engine = self._need_engine()
         reason = str(request.get("reason") or "manual")
         stop = bool(request.get("stop", False))
+        generation = request.get("generation")
+        if generation is not None and not isinstance(generation, str):
+            raise RequestError("checkpoint: generation must be a string")
         with self.lock:
             if self.state != TreeState.RUNNING:
                 raise RequestError(f"job {self.job_id} is {self.state} on {self.node}: nothing to checkpoint")
             self.state = TreeState.CHECKPOINTING
             init_pid = self.init_pid
         try:
-            summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop)
+            summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop,
+                                        generation=generation)
         except Exception:
             with self.lock:
                 if self.state == TreeState.CHECKPOINTING:
@@ -222,6 +230,11 @@ class AgentState:
             self._need_engine().requeue(self.job_id, exclude)
         except Exception:
             LOG.exception("job %s: requeue after migration checkpoint failed", self.job_id)
+
+    def op_generations(self, request: dict) -> dict:
+        engine = self._need_engine()
+        engine.use_rank(request.get("rank", 0))
+        return {"generations": engine.generations(self.job_id)}
 
     def op_latest(self, request: dict) -> dict:
         return {"checkpoint": self._need_engine().latest(self.job_id)}

@@ -19,7 +19,7 @@ from singularity_slurm.checkpoint.criu import Criu, filelog_shim_path, wrapper_p
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import Registry, connect
-from singularity_slurm.errors import CheckpointError, NoCheckpoint, SingularityError
+from singularity_slurm.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, SingularityError
 from singularity_slurm.interpose import filelog
 from singularity_slurm.slurm_plugin.slurm import SlurmClient
 
@@ -58,6 +58,18 @@ class CheckpointEngine:
         self.criu = criu
         self.slurm = slurm
         self.keep = keep
+        self.rank = 0
+
+    def use_rank(self, rank: int) -> None:
+        """Keep this node's checkpoints apart from the other nodes' of a multi-node job.
+
+        Node rank 0 (every single-node job) uses the store's root; rank r > 0 uses ranks/r under it.
+        """
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise RequestError(f"rank must be a non-negative integer, got {rank!r}")
+        self.rank = rank
+        root = self.config.paths.store_root
+        self.store = CheckpointStore(root if rank == 0 else root / "ranks" / str(rank))
 
     @classmethod
     def from_config(cls, node: str, run_dir: Path) -> CheckpointEngine:
@@ -102,7 +114,8 @@ class CheckpointEngine:
 
     # --- checkpoint -------------------------------------------------------------------------------
 
-    def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool) -> dict[str, Any]:
+    def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
+                   generation: str | None = None) -> dict[str, Any]:
         started = time.monotonic()
         work = self.run_dir / f"dump-{int(time.time() * 1000)}"
         work.mkdir(mode=0o700, parents=True)
@@ -113,6 +126,7 @@ class CheckpointEngine:
             manifest = images.upload(self.store, job_id, work, reason, {
                 "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
                 "local_files": sorted(k for k in local if k != localfiles.LOG_ENTRY),
+                "rank": self.rank, "generation": generation,
             }, extra=local)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -133,12 +147,15 @@ class CheckpointEngine:
 
     # --- restore ----------------------------------------------------------------------------------
 
-    def restore(self, job_id: int, uid: int) -> dict[str, Any]:
+    def restore(self, job_id: int, uid: int, generation: str | None = None) -> dict[str, Any]:
         started = time.monotonic()
-        try:
-            manifest, refused = self.store.latest_valid(job_id)
-        except NoCheckpoint as exc:
-            raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
+        if generation is not None:
+            manifest, refused = self._generation(job_id, generation), []
+        else:
+            try:
+                manifest, refused = self.store.latest_valid(job_id)
+            except NoCheckpoint as exc:
+                raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
         work = self.run_dir / f"restore-{manifest.seq}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(mode=0o700, parents=True)
@@ -181,6 +198,22 @@ class CheckpointEngine:
             subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              start_new_session=True, close_fds=True)
         return {"requeued": requeued, "exclude": exclude or []}
+
+    def _generation(self, job_id: int, generation: str) -> Manifest:
+        """This node's checkpoint of one multi-node checkpoint, verified."""
+        for manifest in reversed(self.store.list(job_id)):
+            if manifest.meta.get("generation") == generation:
+                try:
+                    self.store.verify(manifest)
+                except CorruptCheckpoint as exc:
+                    raise RequestError(f"checkpoint {manifest.seq} of node rank {self.rank} refused: "
+                                       f"{exc.detail}") from exc
+                return manifest
+        raise RequestError(f"node rank {self.rank} has no checkpoint of generation {generation}")
+
+    def generations(self, job_id: int) -> list[str]:
+        """Generations this node committed, oldest first (multi-node checkpoints)."""
+        return [m.meta["generation"] for m in self.store.list(job_id) if m.meta.get("generation")]
 
     def latest(self, job_id: int) -> dict[str, Any] | None:
         seqs = self.store.seqs(job_id)

@@ -25,7 +25,12 @@ def agent_spec(job: JobContext, run_dir: Path) -> services.ServiceSpec:
     return services.ServiceSpec(AGENT, argv, ready_path=socket_path)
 
 
-def run(env: dict[str, str]) -> int:
+def run(env: dict[str, str], ensure: bool = False) -> int:
+    """Prepare the node for the job; with `ensure`, only if its services are not running already.
+
+    `ensure` is how the SPANK plugin calls it at every job step: slurmd skips the Prolog when a
+    requeued job comes back to a node within the credential lifetime.
+    """
     node = env.get("SLURMD_NODENAME", "?")
     log = node_logger("prolog", node, env.get("SLURM_JOB_ID", "?"))
     try:
@@ -39,6 +44,10 @@ def run(env: dict[str, str]) -> int:
         return 0
     started_at = time.time()
     run_dir = job_run_dir(config.paths.state_dir, job.node, job.job_id)
+    if ensure and services.running_pid(run_dir, AGENT) is not None:
+        return 0
+    if ensure:
+        log.info("services were not running (slurmd skipped the Prolog): starting them")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, 0o755)
@@ -60,7 +69,7 @@ def run(env: dict[str, str]) -> int:
 
 
 def main() -> int:
-    return run(dict(os.environ))
+    return run(dict(os.environ), ensure="--ensure" in sys.argv[1:])
 
 
 if __name__ == "__main__":

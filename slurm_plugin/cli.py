@@ -180,6 +180,12 @@ def agent_call(config_path: Path | None, op: str, args: str) -> None:
     config = _load(config_path)
     try:
         payload = {**json.loads(args), "op": op}
+        if op in ("start", "restore", "generations") and "rank" not in payload:
+            # One task per node (multi-node jobs): the node's index in the job is its rank.
+            rank = int(os.environ.get("SLURM_NODEID") or 0)
+            payload["rank"] = rank
+            if op == "start":
+                payload["env"] = {**payload.get("env", {}), "RANK": str(rank), "GROUP_RANK": str(rank)}
         sock = job_run_dir(config.paths.state_dir, os.environ["SLURMD_NODENAME"],
                            int(os.environ["SLURM_JOB_ID"])) / "agent.sock"
         reply = request(sock, payload, timeout=None)

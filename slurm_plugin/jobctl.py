@@ -43,6 +43,9 @@ def check_target(record: dict[str, str] | None, job_id: int, caller_uid: int, co
     if config.tier_of_partition(record.get("Partition")) is None:
         raise JobControlError(f"job {job_id} runs in partition {record.get('Partition')}, which belongs to "
                               "no SLA tier: Singularity does not manage it")
+    if len(expand_hostlist(record.get("NodeList", ""))) > 1:
+        raise JobControlError(f"job {job_id} spans several nodes: `{action}` handles single-node jobs for "
+                              "now; a preemption (SIGUSR2 to the batch shell) checkpoints every node")
     if not record.get("BatchHost"):
         raise JobControlError(f"job {job_id} has no batch host yet; try again in a moment")
     return record

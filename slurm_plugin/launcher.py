@@ -13,9 +13,11 @@ which shares the file, stays recognisable.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -29,7 +31,7 @@ from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
 from singularity_slurm.node.agent import request
 
-from .slurm import SlurmClient
+from .slurm import SlurmClient, expand_hostlist
 
 WARNING_SIGNALS = {"USR2": signal.SIGUSR2, "USR1": signal.SIGUSR1, "TERM": signal.SIGTERM}
 
@@ -44,6 +46,11 @@ class JobInfo:
     node: str
     restart_count: int
     tier: str | None
+    nodes: tuple[str, ...] = ()
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.nodes) > 1
 
 
 def job_info(env: Mapping[str, str], config: Config) -> JobInfo:
@@ -51,15 +58,20 @@ def job_info(env: Mapping[str, str], config: Config) -> JobInfo:
     if missing:
         raise LaunchError(f"`singularityctl run` runs inside a Slurm batch job ({', '.join(missing)} unset)")
     return JobInfo(int(env["SLURM_JOB_ID"]), env["SLURMD_NODENAME"],
-                   int(env.get("SLURM_RESTART_COUNT") or 0), resolve_tier(env, config))
+                   int(env.get("SLURM_RESTART_COUNT") or 0), resolve_tier(env, config),
+                   tuple(expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))))
 
 
-def rank_environment(env: Mapping[str, str], info: JobInfo, world_size: int = 1) -> dict[str, str]:
-    """The job's environment plus what torchrun would set, for a single process tree per node."""
+def rank_environment(env: Mapping[str, str], info: JobInfo) -> dict[str, str]:
+    """The job's environment plus what torchrun would set: one process tree (rank) per node.
+
+    RANK and GROUP_RANK are the node's index; the agent call on each node fills them in.
+    """
+    world_size = max(len(info.nodes), 1)
     out = dict(env)
     out.update({
         "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
+        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": env.get("MASTER_ADDR", "127.0.0.1"),
         "MASTER_PORT": env.get("MASTER_PORT", str(20000 + info.job_id % 20000)),
         "SINGULARITY_JOB_ID": str(info.job_id),
     })
@@ -107,6 +119,30 @@ class Launcher:
             raise LaunchError(f"{payload['op']}: {reply.get('error')}")
         return reply
 
+    def fanout(self, op: str, payload: dict | None = None, timeout: float | None = None) -> list[dict]:
+        """The same request to the agent of every node of the job (a job step, one task per node).
+
+        Each node's reply is returned in node order; any failed reply raises, naming the node.
+        """
+        ctl = str(Path(sys.executable).with_name("singularityctl"))
+        n = len(self.info.nodes)
+        argv = ["srun", f"--jobid={self.info.job_id}", "--overlap", f"--nodes={n}", f"--ntasks={n}",
+                "--ntasks-per-node=1", "--label", "--quiet", "--kill-on-bad-exit=0", ctl, "agent-call",
+                op, json.dumps(payload or {})]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise LaunchError(f"{op} on every node did not finish within {timeout:.0f}s") from exc
+        replies = parse_labelled_replies(proc.stdout, n)
+        missing = [self.info.nodes[i] for i, r in enumerate(replies) if r is None]
+        if missing:
+            raise LaunchError(f"{op}: no answer from the agents of {', '.join(missing)}: "
+                              f"{proc.stderr.strip()[-500:]}")
+        failed = [f"{self.info.nodes[i]}: {r.get('error')}" for i, r in enumerate(replies) if not r.get("ok")]
+        if failed:
+            raise LaunchError(f"{op} failed on " + "; ".join(failed))
+        return replies  # type: ignore[return-value]
+
     # --- signals ----------------------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
@@ -132,12 +168,20 @@ class Launcher:
 
     def start(self, argv: list[str]) -> None:
         output = output_target() or str(Path.cwd() / f"singularity-{self.info.job_id}.out")
-        self.agent({"op": "start", "argv": argv, "cwd": str(Path.cwd()), "output": output,
-                    "env": rank_environment(self.env, self.info)})
-        self.say(f"started {' '.join(argv)} (tier {self.info.tier or 'unmanaged'})")
+        payload = {"argv": argv, "cwd": str(Path.cwd()), "output": output,
+                   "env": rank_environment(self.env, self.info)}
+        if self.info.multi_node:
+            self.fanout("start", payload, timeout=120)
+            where = f" on {len(self.info.nodes)} nodes ({','.join(self.info.nodes)})"
+        else:
+            self.agent({"op": "start", **payload})
+            where = ""
+        self.say(f"started {' '.join(argv)}{where} (tier {self.info.tier or 'unmanaged'})")
 
     def restore(self) -> bool:
         self.say(f"restart {self.info.restart_count}: restoring the last checkpoint")
+        if self.info.multi_node:
+            return self.restore_all_nodes()
         try:
             reply = self.agent({"op": "restore"}, timeout=None)
         except LaunchError as exc:
@@ -151,13 +195,60 @@ class Launcher:
                  f"{mib(reply['logical_bytes'])}) in {reply['seconds']:.1f}s")
         return True
 
+    def restore_all_nodes(self) -> bool:
+        """Restore every node from the newest generation that every node committed and verifies."""
+        try:
+            per_node = [set(r["generations"]) for r in self.fanout("generations", timeout=120)]
+        except LaunchError as exc:
+            self.say(f"cannot list the nodes' checkpoints ({exc}): starting from the beginning")
+            return False
+        common = sorted(set.intersection(*per_node), reverse=True)
+        for generation in common:
+            try:
+                replies = self.fanout("restore", {"generation": generation})
+            except LaunchError as exc:
+                self.say(f"multi-node checkpoint {generation} refused: {exc}")
+                try:
+                    self.fanout("kill", timeout=60)
+                except LaunchError:
+                    pass
+                continue
+            logical = sum(r["logical_bytes"] for r in replies)
+            self.say(f"restored multi-node checkpoint {generation} on {','.join(self.info.nodes)} "
+                     f"({mib(logical)}) in {max(r['seconds'] for r in replies):.1f}s")
+            return True
+        self.say("no checkpoint that every node committed: starting from the beginning")
+        return False
+
     def _wait_for_tree(self) -> None:
+        if self.info.multi_node:
+            try:
+                replies = self.fanout("wait")
+            except LaunchError as exc:
+                self.events.put(("lost", str(exc)))
+                return
+            states = {r.get("state") for r in replies}
+            status = max(int(r.get("exit_status") or 0) for r in replies)
+            state = "dumped" if "dumped" in states else "killed" if "killed" in states else "exited"
+            self.events.put(("ended", {"state": state, "exit_status": status}))
+            return
         try:
             reply = request(self.socket, {"op": "wait"}, timeout=None)
         except (OSError, ValueError) as exc:
             self.events.put(("lost", str(exc)))
             return
         self.events.put(("ended", reply))
+
+    def checkpoint(self, reason: str, stop: bool, timeout: float | None) -> dict:
+        """Checkpoint the job's processes on every node; one summary."""
+        if not self.info.multi_node:
+            return self.agent({"op": "checkpoint", "reason": reason, "stop": stop}, timeout=timeout)
+        generation = f"{self.info.restart_count}.{time.time_ns()}"
+        replies = self.fanout("checkpoint", {"reason": reason, "stop": stop, "generation": generation},
+                              timeout=timeout)
+        return {"seq": generation, "seconds": max(r["seconds"] for r in replies),
+                "logical_bytes": sum(r["logical_bytes"] for r in replies),
+                "new_bytes": sum(r["new_bytes"] for r in replies), "dedup_ratio": None}
 
     def loop(self) -> int:
         next_periodic = time.monotonic() + self.interval if self.interval else None
@@ -203,7 +294,12 @@ class Launcher:
             return 137
         if status >= 128:
             try:
-                latest = self.agent({"op": "latest"}).get("checkpoint")
+                if self.info.multi_node:
+                    common = set.intersection(*(set(r["generations"])
+                                                for r in self.fanout("generations", timeout=120)))
+                    latest = {"seq": max(common)} if common else None
+                else:
+                    latest = self.agent({"op": "latest"}).get("checkpoint")
             except LaunchError:
                 latest = None
             if latest:
@@ -215,7 +311,7 @@ class Launcher:
 
     def periodic_checkpoint(self) -> None:
         try:
-            reply = self.agent({"op": "checkpoint", "reason": "periodic", "stop": False}, timeout=None)
+            reply = self.checkpoint("periodic", stop=False, timeout=None)
         except LaunchError as exc:
             self.say(f"periodic checkpoint failed, the job continues: {exc}")
             return
@@ -230,13 +326,15 @@ class Launcher:
     def preempt(self, signame: str) -> int:
         self.say(f"preemption warning ({signame}): checkpointing")
         try:
-            reply = self.agent({"op": "checkpoint", "reason": "preempt", "stop": True},
-                               timeout=self.grace_s)
+            reply = self.checkpoint("preempt", stop=True, timeout=self.grace_s)
             self.say(self.describe("checkpoint", reply))
         except LaunchError as exc:
             self.say(f"checkpoint failed: {exc}; the job resumes from its last good checkpoint")
             try:
-                self.agent({"op": "kill"})
+                if self.info.multi_node:
+                    self.fanout("kill", timeout=60)
+                else:
+                    self.agent({"op": "kill"})
             except LaunchError:
                 pass
         try:
@@ -246,6 +344,23 @@ class Launcher:
             self.say(f"requeue failed: {exc}")
             return 1
         return 0
+
+
+def parse_labelled_replies(stdout: str, tasks: int) -> list[dict | None]:
+    """`srun --label` output ("3: {json}") -> one reply per task, None where a task printed none."""
+    replies: list[dict | None] = [None] * tasks
+    for line in stdout.splitlines():
+        label, sep, text = line.partition(":")
+        if not sep or not label.strip().isdigit():
+            continue
+        index = int(label)
+        try:
+            reply = json.loads(text)
+        except ValueError:
+            continue
+        if 0 <= index < tasks and isinstance(reply, dict):
+            replies[index] = reply
+    return replies
 
 
 def _stderr_say(stream: TextIO) -> Callable[[str], None]:

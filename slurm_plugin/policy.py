@@ -57,7 +57,8 @@ def spank_library_path(config: Config) -> Path:
 
 def render_plugstack_line(config: Config) -> str:
     args = " ".join(f"{tier}={config.tiers[tier].partition}" for tier in TIERS)
-    return f"required {spank_library_path(config)} {args}"
+    prolog = config.paths.prefix / "venv" / "bin" / "singularity-prolog"
+    return f"required {spank_library_path(config)} {args} ensure={prolog}"
 
 
 PLUGSTACK_DROPIN = "singularity-sla.conf"

@@ -11,9 +11,21 @@
  *
  * The option must be registered with spank_option_register() from slurm_spank_init: sbatch ignores a
  * static spank_options[] table.
+ *
+ * With `ensure=PROGRAM` (the Prolog, e.g. ensure=/opt/singularity-slurm/venv/bin/singularity-prolog),
+ * every job step also makes sure, as root and before the step runs, that the job's node services run
+ * on its node: slurmd skips the Prolog when a requeued job starts again on a node within the
+ * credential lifetime (the job id is still in its credential cache), which the launcher's lifted
+ * requeue delay makes the usual case.
  */
+#include <pwd.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <slurm/spank.h>
 
 SPANK_PLUGIN(singularity_sla, 1);
@@ -22,6 +34,7 @@ SPANK_PLUGIN(singularity_sla, 1);
 static const char *tiers[NTIERS] = { "premium", "standard", "basic" };
 static char partitions[NTIERS][128] = { "premium", "standard", "basic" };
 static char chosen[16];
+static char ensure_program[512];
 
 static int tier_index(const char *name)
 {
@@ -56,6 +69,10 @@ static int parse_args(int ac, char **av)
 	for (int i = 0; i < ac; i++) {
 		char *eq = strchr(av[i], '=');
 		int idx;
+		if (strncmp(av[i], "ensure=", 7) == 0) {
+			snprintf(ensure_program, sizeof(ensure_program), "%s", av[i] + 7);
+			continue;
+		}
 		if (!eq) {
 			slurm_error("singularity_sla: plugstack.conf argument '%s' is not TIER=PARTITION", av[i]);
 			return -1;
@@ -85,12 +102,61 @@ int slurm_spank_init(spank_t sp, int ac, char **av)
 	return 0;
 }
 
+static const char *tier_of_partition(const char *partition)
+{
+	for (int i = 0; i < NTIERS; i++)
+		if (strcmp(partition, partitions[i]) == 0)
+			return tiers[i];
+	return NULL;
+}
+
+/* Run the Prolog in `--ensure` mode (it returns at once when the services already run). */
+static void ensure_node_services(spank_t sp)
+{
+	uint32_t job_id = 0, uid = 0;
+	char node[256] = "", partition[128] = "", restarts[32] = "0";
+	char env_job[64], env_uid[64], env_user[300], env_node[300], env_part[200], env_restart[64],
+	     env_tier[64];
+	struct passwd *pw;
+	pid_t pid;
+	int status;
+
+	if (!ensure_program[0] || spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_UID, &uid) != ESPANK_SUCCESS ||
+	    spank_getenv(sp, "SLURMD_NODENAME", node, sizeof(node)) != ESPANK_SUCCESS)
+		return;
+	spank_getenv(sp, "SLURM_JOB_PARTITION", partition, sizeof(partition));
+	spank_getenv(sp, "SLURM_RESTART_COUNT", restarts, sizeof(restarts));
+	pw = getpwuid(uid);
+	snprintf(env_job, sizeof(env_job), "SLURM_JOB_ID=%u", job_id);
+	snprintf(env_uid, sizeof(env_uid), "SLURM_JOB_UID=%u", uid);
+	snprintf(env_user, sizeof(env_user), "SLURM_JOB_USER=%s", pw ? pw->pw_name : "");
+	snprintf(env_node, sizeof(env_node), "SLURMD_NODENAME=%s", node);
+	snprintf(env_part, sizeof(env_part), "SLURM_JOB_PARTITION=%s", partition);
+	snprintf(env_restart, sizeof(env_restart), "SLURM_JOB_RESTART_COUNT=%s", restarts);
+	snprintf(env_tier, sizeof(env_tier), "SPANK_SINGULARITY_SLA=%s",
+		 chosen[0] ? chosen : (tier_of_partition(partition) ? tier_of_partition(partition) : ""));
+	pid = fork();
+	if (pid == 0) {
+		char *argv[] = { ensure_program, "--ensure", NULL };
+		char *envp[] = { env_job, env_uid, env_user, env_node, env_part, env_restart, env_tier,
+				 "PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL };
+		execve(ensure_program, argv, envp);
+		_exit(127);
+	}
+	if (pid > 0 && waitpid(pid, &status, 0) == pid && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
+		slurm_error("singularity_sla: %s --ensure failed for job %u on %s", ensure_program, job_id,
+			    node);
+}
+
 int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
 {
 	spank_context_t ctx = spank_context();
 
 	(void) ac;
 	(void) av;
+	if (ctx == S_CTX_REMOTE && getuid() == 0)
+		ensure_node_services(sp);
 	if ((ctx == S_CTX_LOCAL || ctx == S_CTX_ALLOCATOR) && chosen[0])
 		if (spank_job_control_setenv(sp, "SINGULARITY_SLA", chosen, 1) != ESPANK_SUCCESS) {
 			slurm_error("singularity_sla: cannot pass the SLA tier to the job");
@@ -110,9 +176,7 @@ int slurm_spank_user_init(spank_t sp, int ac, char **av)
 		return 0;
 	if (!tier && spank_getenv(sp, "SLURM_JOB_PARTITION", partition, sizeof(partition)) ==
 			     ESPANK_SUCCESS)
-		for (int i = 0; i < NTIERS; i++)
-			if (strcmp(partition, partitions[i]) == 0)
-				tier = tiers[i];
+		tier = tier_of_partition(partition);
 	if (tier)
 		spank_setenv(sp, "SINGULARITY_SLA", tier, 1);
 	return 0;

@@ -330,3 +330,32 @@ def test_a_cancelled_job_is_not_checkpointed_or_requeued(jobs, job_user, config)
             ["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"]).returncode == 0:
         time.sleep(0.2)
     assert subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"]).returncode == 1
+
+
+MULTI_NODE = f"""#!/bin/bash
+#SBATCH --singularity-sla=basic
+#SBATCH --nodes=2 --gres=gpu:4
+#SBATCH -o multi.out
+exec {CTL} run -- sh -c 'exec {PYTHON} train_reference.py --steps {STEPS} --sleep 0.1 > rank-$RANK.log'
+"""
+
+
+def test_a_two_node_job_is_checkpointed_and_restored_on_every_node(jobs, reference_log):
+    shutil.copy(EXAMPLE, jobs.workdir)
+    shutil.chown(jobs.workdir / "train_reference.py", jobs.user)
+    job_id = jobs.submit(jobs.script("multi.sh", MULTI_NODE))
+    log = jobs.wait_for_file("multi.out")
+    ranks = [jobs.workdir / "rank-0.log", jobs.workdir / "rank-1.log"]
+    jobs.wait(job_id, lambda r: all(p.exists() and "step 40 " in p.read_text() for p in ranks),
+              "training on both nodes")
+
+    urgent = jobs.submit(jobs.script("urgent.sh", URGENT), "--nodelist=n1")
+    _wait_for_text(jobs, job_id, log, "restored multi-node checkpoint")
+    jobs.wait_state(urgent, "COMPLETED")
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    text = log.read_text()
+    assert "on 2 nodes (n1,n2)" in text
+    assert "preemption warning (SIGUSR2): checkpointing" in text
+    for rank_log in ranks:
+        assert rank_log.read_text() == reference_log

@@ -94,7 +94,8 @@ def test_partition_that_would_break_the_lua_string_is_refused(partition: str) ->
 def test_plugstack_line_loads_the_plugin_with_the_tier_partition_map() -> None:
     assert render_plugstack_line(parse({})) == (
         "required /opt/singularity-slurm/lib/singularity_sla.so "
-        "premium=premium standard=standard basic=basic"
+        "premium=premium standard=standard basic=basic "
+        "ensure=/opt/singularity-slurm/venv/bin/singularity-prolog"
     )
 
 
@@ -103,7 +104,8 @@ def test_plugstack_line_follows_the_prefix_and_partitions() -> None:
 
     assert spank_library_path(config) == Path("/srv/sing/lib/singularity_sla.so")
     assert render_plugstack_line(config) == (
-        "required /srv/sing/lib/singularity_sla.so premium=gpu-hi standard=gpu basic=gpu-scavenge"
+        "required /srv/sing/lib/singularity_sla.so premium=gpu-hi standard=gpu basic=gpu-scavenge "
+        "ensure=/srv/sing/venv/bin/singularity-prolog"
     )
 
 
