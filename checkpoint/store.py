@@ -352,12 +352,15 @@ class CheckpointStore:
     """All checkpoints of all jobs under one root folder (a shared filesystem)."""
 
     def __init__(self, root: str | os.PathLike[str], *, clock: Callable[[], float] = time.time,
-                 max_chunk: int = DEFAULT_MAX_CHUNK):
+                 max_chunk: int = DEFAULT_MAX_CHUNK, pack_chunks: bool = False):
         if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 1:
             raise InvalidCheckpointRequest(f"max_chunk {max_chunk!r} must be a positive number of bytes")
         self.root = Path(root)
         self.clock = clock  # created_at, and the age of tmp entries (so: wall-clock seconds)
         self.max_chunk = max_chunk
+        # Pack mode: a writer appends its new chunks to one pack file (with a JSON index) instead of
+        # one file per chunk, so page-sized chunks cost no more than big ones. Readers handle both.
+        self.pack_chunks = pack_chunks
 
     # --- layout ------------------------------------------------------------------------------------
 
@@ -366,6 +369,37 @@ class CheckpointStore:
 
     def chunk_path(self, job_id: int | str, chunk_hash: str) -> Path:
         return self.job_dir(job_id) / "chunks" / chunk_hash[:2] / chunk_hash
+
+    def packs_dir(self, job_id: int | str) -> Path:
+        return self.job_dir(job_id) / "packs"
+
+    def pack_index(self, job_id: int | str) -> dict[str, tuple[Path, int, int]]:
+        """hash -> (pack file, offset, length) of every packed chunk of the job."""
+        index: dict[str, tuple[Path, int, int]] = {}
+        folder = self.packs_dir(job_id)
+        try:
+            names = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            return index
+        for name in names:
+            if not name.endswith(".idx"):
+                continue
+            pack = folder / (name[:-4] + ".pack")
+            try:
+                entries = json.loads((folder / name).read_text())
+            except (OSError, ValueError):
+                continue  # a damaged index: its chunks read as missing, so their checkpoints are refused
+            for chunk_hash, (offset, length) in entries.items():
+                index.setdefault(chunk_hash, (pack, int(offset), int(length)))
+        return index
+
+    def locate(self, job_id: int | str, chunk_hash: str) -> tuple[Path, int, int] | None:
+        """Where a chunk's bytes are: (file, offset, length), or None when the store lacks it."""
+        loose = self.chunk_path(job_id, chunk_hash)
+        size = _size(loose)
+        if size is not None:
+            return loose, 0, size
+        return self.pack_index(job_id).get(chunk_hash)
 
     def manifest_path(self, job_id: int | str, seq: int) -> Path:
         return self.job_dir(job_id) / "manifests" / f"{seq:08d}.json"
@@ -425,9 +459,11 @@ class CheckpointStore:
         return self.read(job_id, seqs[-1])
 
     def _chunk_data(self, manifest: Manifest, entry: FileEntry, index: int, offset: int,
-                    ref: ChunkRef) -> bytes:
-        """The verified bytes of one chunk of a file of a checkpoint."""
+                    ref: ChunkRef, packs: dict[str, tuple[Path, int, int]] | None = None) -> bytes:
+        """The verified bytes of one chunk of a file of a checkpoint (loose, or in a pack)."""
         path = self.chunk_path(manifest.job_id, ref.hash)
+        if packs and ref.hash in packs and _size(path) is None:
+            return self._packed_chunk(manifest, entry, index, offset, ref, packs[ref.hash])
 
         def refuse(problem: str) -> CorruptCheckpoint:
             where = f"chunk {index} ({ref.hash}, bytes {offset}..{offset + ref.length}) of {entry.path}"
@@ -448,13 +484,36 @@ class CheckpointStore:
             raise refuse("is corrupt: its content no longer matches its hash")
         return data
 
+    def _packed_chunk(self, manifest: Manifest, entry: FileEntry, index: int, offset: int, ref: ChunkRef,
+                      where: tuple[Path, int, int]) -> bytes:
+        pack, at, length = where
+        problem = None
+        try:
+            with open(pack, "rb") as handle:
+                handle.seek(at)
+                data = handle.read(length)
+        except FileNotFoundError:
+            data, problem = b"", f"is missing: its pack {pack} is gone"
+        except OSError as exc:
+            raise CheckpointError(f"cannot read pack {pack}: {exc}; check the store and retry") from exc
+        if problem is None and (len(data) != ref.length or length != ref.length):
+            problem = f"is corrupt: it has {len(data)} bytes in {pack.name} instead of {ref.length}"
+        if problem is None and xxhash.xxh3_128_hexdigest(data) != ref.hash:
+            problem = f"is corrupt: its content in {pack.name} no longer matches its hash"
+        if problem:
+            where_text = f"chunk {index} ({ref.hash}, bytes {offset}..{offset + ref.length}) of {entry.path}"
+            raise CorruptCheckpoint(manifest.job_id, manifest.seq, f"{where_text} {problem}",
+                                    path=entry.path, chunk=ref.hash)
+        return data
+
     def verify(self, manifest: Manifest) -> None:
         """Read every chunk and check its length and hash; CorruptCheckpoint names the first bad one."""
         checked: set[str] = set()
+        packs = self.pack_index(manifest.job_id)
         for entry in manifest.files:
             for index, offset, ref in _offsets(entry):
                 if ref.hash not in checked:
-                    self._chunk_data(manifest, entry, index, offset, ref)
+                    self._chunk_data(manifest, entry, index, offset, ref, packs)
                     checked.add(ref.hash)
 
     def restore(self, manifest: Manifest, dest_dir: str | os.PathLike[str]) -> list[Path]:
@@ -465,6 +524,7 @@ class CheckpointStore:
         """
         dest = Path(dest_dir)
         written: list[Path] = []
+        packs = self.pack_index(manifest.job_id)
         try:
             for entry in manifest.files:
                 target = dest / entry.path
@@ -476,7 +536,7 @@ class CheckpointStore:
                 try:
                     with open(tmp, "xb") as out:
                         for index, offset, ref in _offsets(entry):
-                            out.write(self._chunk_data(manifest, entry, index, offset, ref))
+                            out.write(self._chunk_data(manifest, entry, index, offset, ref, packs))
                         # Permission bits only: a checkpoint must not be a way to create setuid files.
                         os.fchmod(out.fileno(), entry.mode & 0o777)
                     os.replace(tmp, target)
@@ -576,6 +636,7 @@ class CheckpointStore:
         on_disk = _chunk_files(self.job_dir(job_id) / "chunks")
         if self._active_writers(job_id, grace_s):
             return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True)
+        packs = sorted(self.packs_dir(job_id).glob("*.idx"))
         referenced = self._referenced(job_id, self.seqs(job_id))
         chunks = chunk_bytes = 0
         for name, path in on_disk.items():
@@ -586,6 +647,19 @@ class CheckpointStore:
                 except FileNotFoundError:
                     continue
                 chunks, chunk_bytes = chunks + 1, chunk_bytes + size
+        for idx in packs:
+            # A pack goes once no kept checkpoint uses any of its chunks (a partly used one stays).
+            try:
+                hashes = json.loads(idx.read_text())
+            except (OSError, ValueError):
+                continue
+            if hashes.keys() & referenced:
+                continue
+            pack = idx.with_suffix(".pack")
+            size = _size(pack) or 0
+            pack.unlink(missing_ok=True)
+            idx.unlink(missing_ok=True)
+            chunks, chunk_bytes = chunks + len(hashes), chunk_bytes + size
         return PruneResult(doomed, chunks, chunk_bytes, tmp_entries, tmp_bytes)
 
     def delete_job(self, job_id: int | str) -> int:
@@ -599,12 +673,14 @@ class CheckpointStore:
             except FileNotFoundError:
                 return 0
             freed = sum(path.stat().st_size for path in _chunk_files(doomed / "chunks").values())
+            freed += sum(path.stat().st_size for path in (doomed / "packs").glob("*.pack"))
             shutil.rmtree(doomed)
         return freed
 
     def job_usage(self, job_id: int | str) -> int:
-        """Bytes of the job's chunk files (their sizes, whatever checkpoints reference them)."""
-        return sum(path.stat().st_size for path in _chunk_files(self.job_dir(job_id) / "chunks").values())
+        """Bytes of the job's chunk and pack files (their sizes, whatever checkpoints reference them)."""
+        loose = sum(path.stat().st_size for path in _chunk_files(self.job_dir(job_id) / "chunks").values())
+        return loose + sum(path.stat().st_size for path in self.packs_dir(job_id).glob("*.pack"))
 
 
 class CheckpointWriter:
@@ -633,6 +709,12 @@ class CheckpointWriter:
             for sub in ("chunks", "manifests"):
                 (self._dir / sub).mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(parents=True)
+            # Unbuffered: a full disk must fail the write of the chunk, inside _store_io, not a later flush.
+            self._pack = open(self._tmp / "chunks.pack", "ab", buffering=0) if store.pack_chunks else None
+        self._pack_entries: dict[str, list[int]] = {}
+        # Chunks the store already holds, loose or packed: dedup against them without a stat each.
+        self._known: set[str] = (set(_chunk_files(self._dir / "chunks")) | set(store.pack_index(job_id))
+                                 if store.pack_chunks else set())
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -699,6 +781,8 @@ class CheckpointWriter:
         ref = ChunkRef(xxhash.xxh3_128_hexdigest(data), len(data))
         if ref.hash in self._refs:
             return ref
+        if self._pack is not None:
+            return self._put_packed(ref, data)
         final = self.store.chunk_path(self.job_id, ref.hash)
         try:
             with _store_io(self.store.root, f"store chunk {ref.hash} of job {self.job_id}"):
@@ -714,6 +798,32 @@ class CheckpointWriter:
         self._refs[ref.hash] = ref.length
         return ref
 
+    def _put_packed(self, ref: ChunkRef, data: bytes) -> ChunkRef:
+        if ref.hash not in self._known:
+            try:
+                with _store_io(self.store.root, f"store chunk {ref.hash} of job {self.job_id}"):
+                    self._pack_entries[ref.hash] = [self._pack.tell(), ref.length]
+                    self._pack.write(data)
+            except StoreFull:
+                self.abort()
+                raise
+            self._new[ref.hash] = ref.length
+        self._refs[ref.hash] = ref.length
+        return ref
+
+    def _publish_pack(self) -> None:
+        """Move the pack and its index into packs/ (the index last: a pack without one is ignored)."""
+        self._pack.close()
+        if not self._pack_entries:
+            return
+        packs = self.store.packs_dir(self.job_id)
+        packs.mkdir(exist_ok=True)
+        name = self._tmp.name
+        os.replace(self._tmp / "chunks.pack", packs / f"{name}.pack")
+        _write(self._tmp / "chunks.idx", json.dumps(self._pack_entries).encode())
+        os.replace(self._tmp / "chunks.idx", packs / f"{name}.idx")
+        self._synced_dirs.add(packs)
+
     def commit(self) -> Manifest:
         """Make the checkpoint visible under the next free sequence number, durably."""
         self._check_open()
@@ -722,9 +832,14 @@ class CheckpointWriter:
                                            "add its files before commit")
         try:
             with _store_io(self.store.root, f"commit a checkpoint of job {self.job_id}"):
+                if self._pack is not None:
+                    self._publish_pack()
+                    packed = self.store.pack_index(self.job_id)
+                else:
+                    packed = {}
                 for chunk_hash, length in self._refs.items():
                     path = self.store.chunk_path(self.job_id, chunk_hash)
-                    if _size(path) != length:
+                    if _size(path) != length and packed.get(chunk_hash, (None, 0, -1))[2] != length:
                         raise CheckpointConflict(
                             f"chunk {path} vanished while job {self.job_id} was checkpointed (a prune or "
                             "another writer's abort ran meanwhile); checkpoint again"
@@ -770,6 +885,11 @@ class CheckpointWriter:
         if self._state != "open":
             return
         self._state = "aborted"
+        if self._pack is not None:
+            try:
+                self._pack.close()
+            except OSError:
+                pass
         shutil.rmtree(self._tmp, ignore_errors=True)
         if not self._new or self.store._active_writers(self.job_id, DEFAULT_TMP_GRACE_S):
             return  # another writer may have deduplicated against our chunks; GC takes them later

@@ -127,6 +127,12 @@ class Registry:
              "node": summary.get("node"), "time": self.clock()}))
         pipe.execute()
 
+    def record_failure(self, job_id: int, node: str, reason: str, error: str) -> None:
+        """A checkpoint that failed (the job then resumes from its last good one)."""
+        self.redis.rpush(keys.job_events(job_id), json.dumps(
+            {"event": "checkpoint_failed", "reason": reason, "node": node, "error": error[:2000],
+             "time": self.clock()}))
+
     def record_restore(self, job_id: int, node: str, seq: int, seconds: float | None,
                        refused: list[dict]) -> None:
         self.redis.rpush(keys.job_events(job_id), json.dumps(

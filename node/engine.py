@@ -27,6 +27,13 @@ from . import jobtree, localfiles
 from .agent import RequestError
 
 KEEP_CHECKPOINTS = 3
+PAGE_CHUNK = 4096
+"""Process images are chunked by page: between two checkpoints a Python process changes single pages
+scattered over its heap (reference counts, GC headers), so a 16 KiB chunk would be new for one page."""
+
+
+def job_store(root: Path) -> CheckpointStore:
+    return CheckpointStore(root, max_chunk=PAGE_CHUNK, pack_chunks=True)
 
 
 def _exit_status(status: int) -> int:
@@ -69,7 +76,7 @@ class CheckpointEngine:
             raise RequestError(f"rank must be a non-negative integer, got {rank!r}")
         self.rank = rank
         root = self.config.paths.store_root
-        self.store = CheckpointStore(root if rank == 0 else root / "ranks" / str(rank))
+        self.store = job_store(root if rank == 0 else root / "ranks" / str(rank))
 
     @classmethod
     def from_config(cls, node: str, run_dir: Path) -> CheckpointEngine:
@@ -77,7 +84,7 @@ class CheckpointEngine:
         store_root = config.paths.store_root
         store_root.mkdir(parents=True, exist_ok=True)
         os.chmod(store_root, 0o700)  # only the agents (root) write or read checkpoints
-        return cls(config, node, run_dir, CheckpointStore(store_root),
+        return cls(config, node, run_dir, job_store(store_root),
                    Criu(wrapper_path(config.paths.prefix)), SlurmClient())
 
     # --- start ------------------------------------------------------------------------------------
@@ -120,16 +127,25 @@ class CheckpointEngine:
         work = self.run_dir / f"dump-{int(time.time() * 1000)}"
         work.mkdir(mode=0o700, parents=True)
         try:
-            self.criu.dump(init_pid, work, leave_running=not stop)
-            dumped = time.monotonic()
-            local = localfiles.collect(localfiles.log_path(self.config.paths.state_dir, job_id), uid)
-            manifest = images.upload(self.store, job_id, work, reason, {
-                "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
-                "local_files": sorted(k for k in local if k != localfiles.LOG_ENTRY),
-                "rank": self.rank, "generation": generation,
-            }, extra=local)
+            return self._checkpoint(job_id, uid, init_pid, reason, stop, generation, work, started)
+        except Exception as exc:
+            error = str(exc)
+            self._index(lambda registry: registry.record_failure(job_id, self.node, reason, error))
+            raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
+                    generation: str | None, work: Path, started: float) -> dict[str, Any]:
+        self.criu.dump(init_pid, work, leave_running=not stop)
+        dumped = time.monotonic()
+        local = localfiles.collect(localfiles.log_path(self.config.paths.state_dir, job_id), uid)
+        manifest = images.upload(self.store, job_id, work, reason, {
+            "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
+            "local_files": sorted(k for k in local if k != localfiles.LOG_ENTRY),
+            "rank": self.rank, "generation": generation,
+        }, extra=local)
+        shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
         try:
             self.store.prune(job_id, keep=self.keep)
         except SingularityError:
@@ -149,6 +165,7 @@ class CheckpointEngine:
 
     def restore(self, job_id: int, uid: int, generation: str | None = None) -> dict[str, Any]:
         started = time.monotonic()
+        self._check_trusted(job_id)
         if generation is not None:
             manifest, refused = self._generation(job_id, generation), []
         else:
@@ -198,6 +215,23 @@ class CheckpointEngine:
             subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              start_new_session=True, close_fds=True)
         return {"requeued": requeued, "exclude": exclude or []}
+
+    def _check_trusted(self, job_id: int) -> None:
+        """Refuse a job folder in the store that anyone but root could have written.
+
+        Only the agents (root) write checkpoints, into a root-only store; images from anywhere
+        else are never restored as the job's user.
+        """
+        job_dir = self.store.job_dir(job_id)
+        for path in (job_dir, job_dir / "manifests", job_dir / "chunks"):
+            try:
+                info = path.stat()
+            except FileNotFoundError:
+                continue
+            if info.st_uid != 0 or info.st_mode & 0o022:
+                raise RequestError(f"refusing to restore from {path}: it is not owned by root or is "
+                                   f"writable by others (mode {info.st_mode & 0o777:o}); only "
+                                   "checkpoints the agents wrote are restored")
 
     def _generation(self, job_id: int, generation: str) -> Manifest:
         """This node's checkpoint of one multi-node checkpoint, verified."""

@@ -55,10 +55,12 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
         }
         out["checkpoints"] = record.get("checkpoints", [])
         out["restores"] = [e for e in record.get("events", []) if e.get("event") == "restore"]
+        out["failures"] = [e for e in record.get("events", []) if e.get("event") == "checkpoint_failed"]
     else:
         out["registry"] = None
     out.setdefault("checkpoints", [])
     out.setdefault("restores", [])
+    out.setdefault("failures", [])
     out["managed"] = out.get("tier") is not None
     return out
 
@@ -110,4 +112,7 @@ def format_details(job: dict[str, Any]) -> str:
             refused = "".join(f"; checkpoint {x['seq']} refused: {x['reason']}" for x in r.get("refused", []))
             lines.append(f"  {_when(r.get('time'))}  checkpoint {r.get('seq')} on {r.get('node')} "
                          f"in {r.get('seconds')}s{refused}")
+    for failure in job.get("failures") or []:
+        lines.append(f"checkpoint failed {_when(failure.get('time'))} on {failure.get('node')} "
+                     f"({failure.get('reason')}): {failure.get('error')}")
     return "\n".join(lines)

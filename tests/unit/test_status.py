@@ -40,7 +40,7 @@ def test_slurm_record_alone_gives_the_whole_view_without_registry() -> None:
         "job_id": 42, "name": "train", "user": "jobuser", "uid": 1001, "partition": "standard",
         "state": "RUNNING", "reason": None, "restart_count": 2, "requeue": True,
         "gpus_per_node": 2, "gpus": 4, "nodes": ["n1", "n2"], "tier": "standard",
-        "registry": None, "managed": True, "checkpoints": [], "restores": [],
+        "registry": None, "managed": True, "checkpoints": [], "restores": [], "failures": [],
     }
 
 
@@ -100,7 +100,7 @@ def test_registry_record_alone_for_an_ended_job() -> None:
     assert job == {
         "job_id": 42, "user": "jobuser", "uid": 1001, "partition": "premium", "state": "ENDED",
         "restart_count": 1, "nodes": ["n1", "n2"], "tier": "premium", "managed": True,
-        "checkpoints": [], "restores": [],
+        "checkpoints": [], "restores": [], "failures": [],
         "registry": {
             "state": "ended", "restart_count": 1, "first_started_at": 100.0, "started_at": 200.0,
             "ended_at": 300.0, "node_gpus": {"n2": ["0", "1"], "n1": ["2"]},
@@ -119,7 +119,7 @@ def test_sparse_registry_record_gets_defaults() -> None:
     assert job == {
         "job_id": 7, "user": None, "uid": None, "partition": None, "state": "UNKNOWN",
         "restart_count": 0, "nodes": [], "tier": None, "managed": False,
-        "checkpoints": [], "restores": [],
+        "checkpoints": [], "restores": [], "failures": [],
         "registry": {"state": None, "restart_count": None, "first_started_at": None,
                      "started_at": None, "ended_at": None, "node_gpus": {}, "events": []},
     }

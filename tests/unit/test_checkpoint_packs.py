@@ -1,0 +1,114 @@
+"""Pack mode of the checkpoint store: a writer's new chunks go into one pack file with an index."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from singularity_slurm.checkpoint.store import CheckpointStore
+from singularity_slurm.errors import CorruptCheckpoint, StoreFull
+
+PAGE = 4096
+
+
+def pages(count: int, seed: int) -> bytearray:
+    return bytearray(random.Random(seed).randbytes(count * PAGE))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(tmp_path / "store", max_chunk=PAGE, pack_chunks=True)
+
+
+def commit(store: CheckpointStore, files: dict[str, bytes]):
+    with store.begin(7, reason="periodic") as writer:
+        for name, data in files.items():
+            writer.add_bytes(name, bytes(data))
+        return writer.commit()
+
+
+def test_a_checkpoint_is_one_pack_and_one_index_and_restores_byte_identical(store, tmp_path):
+    memory = pages(50, 1)
+    manifest = commit(store, {"images/pages-1.img": memory, "images/core-1.img": b"core"})
+
+    packs = sorted(p.name.rsplit(".", 1)[1] for p in store.packs_dir(7).iterdir())
+    assert packs == ["idx", "pack"]
+    assert list((store.job_dir(7) / "chunks").iterdir()) == []
+    assert manifest.new_bytes == len(memory) + 4
+    store.restore(manifest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
+
+
+def test_the_next_checkpoint_stores_only_the_pages_that_changed(store):
+    memory = pages(50, 1)
+    commit(store, {"images/pages-1.img": memory})
+    for page in (3, 17, 40):
+        memory[page * PAGE] ^= 0xFF
+    second = commit(store, {"images/pages-1.img": memory})
+
+    assert second.new_bytes == 3 * PAGE
+    assert len(list(store.packs_dir(7).glob("*.pack"))) == 2
+
+
+def test_a_flipped_byte_in_a_pack_is_refused_naming_the_file(store, tmp_path):
+    manifest = commit(store, {"images/pages-1.img": pages(8, 2)})
+    victim = manifest.files[0].chunks[5].hash
+    pack, offset, _ = store.locate(7, victim)
+    data = bytearray(pack.read_bytes())
+    data[offset + 10] ^= 0x01
+    pack.write_bytes(bytes(data))
+
+    with pytest.raises(CorruptCheckpoint, match=r"chunk 5 .* of images/pages-1.img is corrupt"):
+        store.verify(manifest)
+    with pytest.raises(CorruptCheckpoint):
+        store.restore(manifest, tmp_path / "out")
+    assert not (tmp_path / "out/images/pages-1.img").exists()
+
+
+def test_latest_valid_falls_back_when_a_pack_is_gone(store):
+    first = commit(store, {"images/pages-1.img": pages(8, 3)})
+    second = commit(store, {"images/pages-1.img": pages(8, 4)})
+    newest = max(store.packs_dir(7).glob("*.pack"), key=lambda p: p.stat().st_mtime_ns)
+    newest.unlink()
+
+    manifest, refused = store.latest_valid(7)
+
+    assert manifest.seq == first.seq
+    assert [r.seq for r in refused] == [second.seq]
+    assert "is missing" in refused[0].reason
+
+
+def test_prune_drops_packs_no_kept_checkpoint_uses(store):
+    commit(store, {"images/pages-1.img": pages(8, 5)})
+    commit(store, {"images/pages-1.img": pages(8, 6)})
+    third = commit(store, {"images/pages-1.img": pages(8, 6) + pages(1, 7)})
+
+    result = store.prune(7, keep=1)
+
+    assert store.seqs(7) == [third.seq]
+    assert len(list(store.packs_dir(7).glob("*.pack"))) == 2  # the second's pack is still used
+    assert result.chunks_deleted == 8
+    store.verify(third)
+
+
+def test_a_full_store_in_pack_mode_keeps_the_previous_checkpoint(tmp_path):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    root = tmp_path / "small"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
+    try:
+        store = CheckpointStore(root, max_chunk=PAGE, pack_chunks=True)
+        first = commit(store, {"images/pages-1.img": pages(16, 8)})
+        with pytest.raises(StoreFull, match="is full"):
+            commit(store, {"images/pages-1.img": pages(400, 9)})
+        assert store.seqs(7) == [first.seq]
+        store.verify(first)
+        assert list((store.job_dir(7) / "tmp").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
