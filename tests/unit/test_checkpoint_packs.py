@@ -42,7 +42,7 @@ def test_a_checkpoint_is_one_pack_and_one_index_and_restores_byte_identical(stor
     assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
 
 
-def test_the_next_checkpoint_stores_only_the_pages_that_changed(store):
+def test_the_next_checkpoint_stores_only_the_pages_that_changed(store, tmp_path):
     memory = pages(50, 1)
     commit(store, {"images/pages-1.img": memory})
     for page in (3, 17, 40):
@@ -51,6 +51,9 @@ def test_the_next_checkpoint_stores_only_the_pages_that_changed(store):
 
     assert second.new_bytes == 3 * PAGE
     assert len(list(store.packs_dir(7).glob("*.pack"))) == 2
+    # Its pages come from both packs; the restore reads runs and must interleave them right.
+    store.restore(second, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
 
 
 def test_a_flipped_byte_in_a_pack_is_refused_naming_the_file(store, tmp_path):
