@@ -490,10 +490,7 @@ class CheckpointStore:
         pack, at, length = where
         problem = None
         try:
-            fd = self._open_packs.get(pack)
-            if fd is None:
-                fd = self._open_packs[pack] = os.open(pack, os.O_RDONLY | os.O_CLOEXEC)
-            data = os.pread(fd, length, at)
+            data = os.pread(self._pack_fd(pack), length, at)
         except FileNotFoundError:
             data, problem = b"", f"is missing: its pack {pack} is gone"
         except OSError as exc:
@@ -540,10 +537,7 @@ class CheckpointStore:
                 end += chunks[j][2].length
                 j += 1
             try:
-                fd = self._open_packs.get(pack)
-                if fd is None:
-                    fd = self._open_packs[pack] = os.open(pack, os.O_RDONLY | os.O_CLOEXEC)
-                data = os.pread(fd, end - start, start)
+                data = os.pread(self._pack_fd(pack), end - start, start)
             except OSError:
                 data = b""
             view, at = memoryview(data), 0
@@ -561,6 +555,13 @@ class CheckpointStore:
             else:
                 yield data
             i = j
+
+    def _pack_fd(self, pack: Path) -> int:
+        """An fd of `pack`, kept open until the current verify or restore ends."""
+        fd = self._open_packs.get(pack)
+        if fd is None:
+            fd = self._open_packs[pack] = os.open(pack, os.O_RDONLY | os.O_CLOEXEC)
+        return fd
 
     def _close_packs(self) -> None:
         for fd in self._open_packs.values():

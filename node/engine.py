@@ -36,10 +36,14 @@ def job_store(root: Path) -> CheckpointStore:
     return CheckpointStore(root, max_chunk=PAGE_CHUNK, pack_chunks=True)
 
 
-def _exit_status(status: int) -> int:
-    """A waitpid status as a shell would report it (128 + signal for a killed process)."""
-    code = os.waitstatus_to_exitcode(status)
+def _shell_status(code: int) -> int:
+    """An exit code as a shell reports it: 128 + signal for a killed process (Popen gives -signal)."""
     return 128 - code if code < 0 else code
+
+
+def _exit_status(status: int) -> int:
+    """A waitpid status as a shell would report it."""
+    return _shell_status(os.waitstatus_to_exitcode(status))
 
 
 def summarize(manifest: Manifest, seconds: float | None = None) -> dict[str, Any]:
@@ -117,7 +121,7 @@ class CheckpointEngine:
                 jobtree.kill_tree(init_pid)
                 raise CheckpointError("the job's namespace init did not start within 10s")
             time.sleep(0.01)
-        return init_pid, lambda: _exit_status_of_rc(proc.wait())
+        return init_pid, lambda: _shell_status(proc.wait())
 
     # --- checkpoint -------------------------------------------------------------------------------
 
@@ -252,8 +256,3 @@ class CheckpointEngine:
     def latest(self, job_id: int) -> dict[str, Any] | None:
         seqs = self.store.seqs(job_id)
         return summarize(self.store.read(job_id, seqs[-1])) if seqs else None
-
-
-def _exit_status_of_rc(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
