@@ -31,3 +31,8 @@ def jobs() -> str:
 def job_checkpoints(job_id: int | str) -> str:
     """List: summaries of the job's committed checkpoints, oldest first, as JSON (an index of the store)."""
     return f"{PREFIX}:job:{job_id}:checkpoints"
+
+
+def job_rendezvous(job_id: int | str, generation: str) -> str:
+    """Hash: one rendezvous generation of a job's proxies (`proxy:<id>` -> [host, port], `token`)."""
+    return f"{PREFIX}:job:{job_id}:rdzv:{generation}"

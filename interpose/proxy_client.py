@@ -1,0 +1,203 @@
+"""The worker's side of the device proxy: one connection per rank, re-established after a checkpoint.
+
+A worker holds exactly two things that belong to the proxy: a unix socket and a shared-memory
+mapping. When the proxy answers a request with `park` (a distributed checkpoint reached its cut), the
+worker drops both, waits until its rank's name is served again (by the same proxy after a checkpoint
+that leaves the job running, or by a fresh proxy on whatever node the job was restored on) and sends
+the request again. So a checkpoint image of a worker never refers to a proxy or a peer.
+
+Standard library and ctypes only: tensors are copied by address, so nothing here depends on torch,
+and no Python buffer export pins the mapping when it has to go.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from singularity_slurm.proxy import wire
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_PROT_RW = 0x1 | 0x2
+_MAP_SHARED = 0x01
+_MADV_DONTFORK = 10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+RECONNECT_POLL_S = 0.02
+PROXY_LOST_WAIT_S = 600.0
+
+
+class ProxyError(RuntimeError):
+    """The proxy refused a request (bad arguments, unsupported operation); the message says which."""
+
+
+class ProxyClient:
+    """One rank's connection to the proxy that serves it. Thread-safe; one request at a time."""
+
+    def __init__(self, job_id: int | str, rank: int, world_size: int):
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.lock = threading.RLock()
+        self.sock: socket.socket | None = None
+        self.reader: wire.Reader | None = None
+        self.shm_addr = 0
+        self.shm_size = 0
+        self.comms: dict[str, list[int]] = {}
+        self.generation: str | None = None
+        self.parks = 0
+        os.register_at_fork(after_in_child=self._forget_in_child)
+
+    # --- connection -------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        address = wire.rank_address(self.job_id, self.rank)
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(address)
+                break
+            except OSError as exc:
+                sock.close()
+                if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN):
+                    raise
+            time.sleep(RECONNECT_POLL_S)
+        if wire.peer_uid(sock) != 0:
+            sock.close()
+            raise ProxyError(f"the listener for rank {self.rank} of job {self.job_id} is not root: "
+                             "refusing to send it the job's data")
+        self.sock, self.reader = sock, wire.Reader(sock)
+        reply = self._exchange({"op": "hello", "rank": self.rank, "world_size": self.world_size,
+                                "pid": os.getpid(), "comms": self.comms})
+        self.generation = reply.get("generation")
+
+    def _drop(self) -> None:
+        """Let go of everything the proxy handed out: socket and mapping."""
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = self.reader = None
+        if self.shm_addr:
+            _libc.munmap(self.shm_addr, self.shm_size)
+        self.shm_addr = self.shm_size = 0
+
+    def _forget_in_child(self) -> None:
+        # A forked child (a DataLoader worker) must not keep the parent's connection open: the
+        # parent could not let go of it at a checkpoint. The mapping is MADV_DONTFORK already.
+        if self.sock is not None:
+            try:
+                os.close(self.sock.detach())
+            except OSError:
+                pass
+        self.sock = self.reader = None
+        self.shm_addr = self.shm_size = 0
+        self.lock = threading.RLock()
+
+    def _map(self, nbytes: int) -> None:
+        reply, fds = self._exchange_fds({"op": "map", "bytes": nbytes})
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ProxyError(f"the proxy answered map without a memory region: {reply}")
+        size = int(reply["bytes"])
+        try:
+            addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, fds[0], 0)
+        finally:
+            os.close(fds[0])
+        if addr in (None, _MAP_FAILED):
+            raise ProxyError(f"cannot map {size} bytes shared with the proxy: "
+                             f"{os.strerror(ctypes.get_errno())}")
+        _libc.madvise(addr, size, _MADV_DONTFORK)
+        if self.shm_addr:
+            _libc.munmap(self.shm_addr, self.shm_size)
+        self.shm_addr, self.shm_size = addr, size
+
+    def _exchange_fds(self, message: dict) -> tuple[dict, list[int]]:
+        assert self.sock is not None and self.reader is not None
+        wire.send(self.sock, message)
+        reply, fds = self.reader.recv()
+        if reply.get("error"):
+            raise ProxyError(f"device proxy: {reply['error']}")
+        return reply, fds
+
+    def _exchange(self, message: dict) -> dict:
+        reply, fds = self._exchange_fds(message)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def register_comm(self, comm: str, ranks: Sequence[int]) -> None:
+        with self.lock:
+            self.comms[comm] = list(ranks)
+            if self.sock is not None:
+                self._guarded(lambda: self._exchange({"op": "comm", "comm": comm, "ranks": list(ranks)}))
+
+    def call(self, message: dict, inputs: Sequence[tuple[int, int]], outputs: Sequence[tuple[int, int]],
+             shm_bytes: int) -> dict:
+        """Run one operation: copy `inputs` (address, length) into the shared region back to back,
+        send `message`, copy the result from the region's start into `outputs`.
+
+        A `park` answer (a checkpoint's cut) drops the connection, waits for the proxy and retries.
+        """
+        with self.lock:
+            while True:
+                if self.sock is None:
+                    self._guarded(self._connect)
+                    continue
+                if shm_bytes > self.shm_size:
+                    self._guarded(lambda: self._map(shm_bytes))
+                    continue
+                offset = 0
+                for addr, length in inputs:
+                    ctypes.memmove(self.shm_addr + offset, addr, length)
+                    offset += length
+                reply = self._guarded(lambda: self._exchange(message))
+                if reply is None:
+                    continue
+                if reply.get("park"):
+                    self.parks += 1
+                    self._drop()
+                    continue
+                offset = 0
+                for addr, length in outputs:
+                    ctypes.memmove(addr, self.shm_addr + offset, length)
+                    offset += length
+                return reply
+
+    def close(self) -> None:
+        with self.lock:
+            if self.sock is not None:
+                try:
+                    wire.send(self.sock, {"op": "bye"})
+                except OSError:
+                    pass
+            self._drop()
+
+    def _guarded(self, action):
+        """Run `action`; if the proxy is gone (not parked: gone), wait to be ended by the node agent.
+
+        A proxy that dies takes the job's collectives with it. The node agent notices, ends this
+        process tree and has the job requeued from its last checkpoint; raising here instead would
+        look like a failure of the user's script.
+        """
+        try:
+            return action()
+        except (OSError, EOFError, wire.ProtocolError) as exc:
+            self._drop()
+            sys.stderr.write(f"[singularity] rank {self.rank}: lost the device proxy ({exc}); the node "
+                             "agent requeues the job from its last checkpoint\n")
+            sys.stderr.flush()
+            time.sleep(PROXY_LOST_WAIT_S)
+            os._exit(75)

@@ -1,0 +1,245 @@
+"""The `singularity` torch.distributed backend: every collective goes through the device proxy.
+
+`install()` (run from sitecustomize when torch.distributed is first imported) registers the backend
+and makes `init_process_group` and `new_group` use it whatever the script asked for ("gloo", "nccl",
+env:// or tcp:// init), with a process-local store: the proxies find each other through the
+coordinator, so workers open no TCP connection at all.
+
+Operations run synchronously in the calling thread and return completed work objects: DDP's bucketed
+allreduce still works (it waits on the future), and at a checkpoint every worker is either computing
+or parked in a request, never holding a half-done collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
+
+from .proxy_client import ProxyClient, ProxyError
+
+BACKEND = "singularity"
+_DTYPES = {
+    torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+    torch.int8: "int8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
+    torch.uint8: "uint8", torch.bool: "bool",
+}
+_CLIENT: ProxyClient | None = None
+
+
+def client() -> ProxyClient:
+    global _CLIENT
+    if _CLIENT is None:
+        env = os.environ
+        try:
+            _CLIENT = ProxyClient(env["SINGULARITY_JOB_ID"], int(env["RANK"]), int(env["WORLD_SIZE"]))
+        except (KeyError, ValueError) as exc:
+            raise ProxyError("the singularity backend runs under `singularityctl run --world-size N` "
+                             f"(SINGULARITY_JOB_ID, RANK and WORLD_SIZE must be set): {exc}") from exc
+    return _CLIENT
+
+
+def _done(result) -> dist.Work:
+    future: Future = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+def _reduce_name(opts) -> str:
+    op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+    op = getattr(op, "op", op)
+    return str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    if tensor.device.type != "cpu":
+        raise ProxyError(f"the singularity backend's host proxy takes CPU tensors, got {tensor.device}")
+    try:
+        return _DTYPES[tensor.dtype]
+    except KeyError:
+        raise ProxyError(f"dtype {tensor.dtype} is not supported by the singularity backend; supported: "
+                         f"{', '.join(sorted(_DTYPES.values()))}") from None
+
+
+class _Contiguous:
+    """A contiguous stand-in for a tensor, copied back on exit when it had to be made."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.work = tensor if tensor.is_contiguous() else tensor.contiguous()
+
+    def __enter__(self) -> torch.Tensor:
+        return self.work
+
+    def __exit__(self, *exc) -> None:
+        if self.work is not self.tensor and exc[0] is None:
+            self.tensor.copy_(self.work)
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+class SingularityProcessGroup(dist.ProcessGroup):
+    def __init__(self, comm: str, rank: int, size: int, global_ranks: Sequence[int]):
+        super().__init__(rank, size)
+        self.comm = comm
+        self.global_ranks = list(global_ranks)
+        self.client = client()
+        self.client.register_comm(comm, self.global_ranks)
+        self.p2p: dict[tuple[str, int], int] = {}
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _run(self, op: str, tensor: torch.Tensor, out: torch.Tensor | None = None, **meta) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        out = tensor if out is None else out
+        out_bytes = out.numel() * out.element_size()
+        message = {"op": op, "comm": self.comm, "dtype": _dtype(tensor), "count": tensor.numel(), **meta}
+        self.client.call(message, [_span(tensor)] if nbytes else [],
+                         [_span(out)] if out_bytes else [], max(nbytes, out_bytes))
+
+    # --- collectives ------------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        for tensor in tensors:
+            with _Contiguous(tensor) as work:
+                self._run("allreduce", work, reduce=_reduce_name(opts))
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        root = getattr(opts, "rootRank", 0) if opts is not None else 0
+        for tensor in tensors:
+            with _Contiguous(tensor) as work:
+                self._run("broadcast", work, root=root)
+        return _done(tensors)
+
+    def _gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        with _Contiguous(tensor) as src, _Contiguous(out) as dst:
+            self._run("allgather", src, out=dst)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        for outputs, tensor in zip(output_lists, inputs, strict=True):
+            flat = torch.empty((self.size(), *tensor.shape), dtype=tensor.dtype)
+            self._gather_into(flat, tensor)
+            for i, out in enumerate(outputs):
+                out.copy_(flat[i])
+        return _done(output_lists)
+
+    def _allgather_base(self, output, tensor, opts=None):
+        self._gather_into(output, tensor)
+        return _done([output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for output, tensor in zip(outputs, inputs, strict=True):
+            self._gather_into(output, tensor)
+        return _done(outputs)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        for out, inputs in zip(outputs, input_lists, strict=True):
+            flat = torch.cat([t.reshape(-1) for t in inputs])
+            with _Contiguous(out) as dst:
+                self._run("reduce_scatter", flat, out=dst, reduce=_reduce_name(opts))
+        return _done(outputs)
+
+    def _reduce_scatter_base(self, output, tensor, opts=None):
+        with _Contiguous(tensor) as src, _Contiguous(output) as dst:
+            self._run("reduce_scatter", src, out=dst, reduce=_reduce_name(opts))
+        return _done([output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for output, tensor in zip(outputs, inputs, strict=True):
+            self._reduce_scatter_base(output, tensor, opts)
+        return _done(outputs)
+
+    def barrier(self, opts=None):
+        self.client.call({"op": "barrier", "comm": self.comm}, [], [], 0)
+        return _done([])
+
+    # --- point to point ---------------------------------------------------------------------------
+
+    def send(self, tensors, dstRank, tag=0):
+        for tensor in tensors:
+            with _Contiguous(tensor) as work:
+                self._run("send", work, peer=dstRank)
+        return _done(tensors)
+
+    def recv(self, tensors, srcRank, tag=0):
+        for tensor in tensors:
+            with _Contiguous(tensor) as work:
+                self.client.call({"op": "recv", "comm": self.comm, "dtype": _dtype(work),
+                                  "count": work.numel(), "peer": srcRank}, [], [_span(work)],
+                                 work.numel() * work.element_size())
+        return _done(tensors)
+
+    def _unsupported(self, name):
+        raise ProxyError(f"{name} is not supported by the singularity backend (supported: allreduce, "
+                         "broadcast, allgather, reduce_scatter, barrier, send, recv)")
+
+    def gather(self, *args, **kwargs):
+        self._unsupported("gather")
+
+    def scatter(self, *args, **kwargs):
+        self._unsupported("scatter")
+
+    def alltoall(self, *args, **kwargs):
+        self._unsupported("alltoall")
+
+    def alltoall_base(self, *args, **kwargs):
+        self._unsupported("alltoall_base")
+
+    def recv_anysource(self, *args, **kwargs):
+        self._unsupported("recv_anysource")
+
+
+def _create(backend_opts, pg_opts=None) -> SingularityProcessGroup:
+    ranks = list(getattr(backend_opts, "global_ranks_in_group", []) or [])
+    rank, size = backend_opts.group_rank, backend_opts.group_size
+    if not ranks:
+        ranks = list(range(size))
+    return SingularityProcessGroup(str(backend_opts.group_id), rank, size, ranks)
+
+
+def _replace_backend(function, defaults: dict):
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        for name, value in defaults.items():
+            if name in signature.parameters:
+                bound.arguments[name] = value() if callable(value) else value
+        return function(*bound.args, **bound.kwargs)
+
+    wrapper.__singularity__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install() -> None:
+    """Register the backend and route process-group creation through it (idempotent)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if getattr(c10d.init_process_group, "__singularity__", False):
+        return
+    if BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    env = os.environ
+    world = {"backend": BACKEND, "init_method": None, "store": dist.HashStore,
+             "rank": int(env.get("RANK", "0")), "world_size": int(env.get("WORLD_SIZE", "1")),
+             "timeout": datetime.timedelta(days=7)}
+    init = _replace_backend(c10d.init_process_group, world)
+    new_group = _replace_backend(c10d.new_group, {"backend": BACKEND})
+    for module in (c10d, dist):
+        module.init_process_group = init
+        module.new_group = new_group

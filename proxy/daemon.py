@@ -1,0 +1,691 @@
+"""The device proxy daemon: `singularity-proxy`, one per allocated device, started by the Prolog.
+
+It serves the job's ranks placed on its device. A rank connects to the abstract socket named after
+it (`wire.rank_address`); the proxy checks it is the job's user, hands it a shared-memory region, and
+runs its operations: collectives with the job's other proxies over the mesh, in a fixed rank order.
+The node agent drives it through a root-only control socket:
+
+  configure {generation, placement}   serve a rendezvous generation (placement: rank -> proxy id)
+  quiesce {timeout}                   reach the job-wide cut (see `barrier`); answers once every
+                                      proxy's ranks are parked with no connection to any proxy
+  resume {}                           after the dump: serve the parked ranks again
+  status {} | stats {}                state of the ranks and the barrier | time spent per operation
+
+Nothing here must survive a checkpoint: a restored job gets fresh proxies and a new generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import barrier, collectives, wire
+from .barrier import Gate, Phase
+from .hal import BackendError, DeviceBackend, Region, backend
+from .mesh import Mesh, MeshError
+from .rendezvous import Rendezvous, RendezvousError
+
+LOG = logging.getLogger("singularity.proxy")
+
+
+class RankState(enum.StrEnum):
+    """A rank as its proxy sees it.
+
+    ABSENT -> IDLE (hello) -> BUSY (in an operation) -> IDLE | PARKED (answered `park`)
+    PARKED -> ABSENT (resume) ; IDLE | BUSY -> FINISHED (bye, or the connection closed)
+    """
+
+    ABSENT = "absent"
+    IDLE = "idle"
+    BUSY = "busy"
+    PARKED = "parked"
+    FINISHED = "finished"
+
+
+@dataclass
+class Session:
+    rank: int
+    sock: socket.socket
+    reader: wire.Reader
+    region: Region | None = None
+    comms: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class Pending:
+    """One collective on this proxy: its local members arrive one by one; the last one runs it."""
+
+    expected: int
+    entries: dict[int, tuple[Session, dict]] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    first_at: float = field(default_factory=time.monotonic)
+
+
+class ProxyError(Exception):
+    """A worker's request cannot be served; the message goes back to the worker."""
+
+
+class Proxy:
+    def __init__(self, job_id: int, job_uid: int, proxy_id: str, device: DeviceBackend,
+                 rendezvous_factory, bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1"):
+        self.job_id = job_id
+        self.job_uid = job_uid
+        self.id = proxy_id
+        self.device = device
+        self.rendezvous_factory = rendezvous_factory
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host
+        self.cond = threading.Condition()
+        self.generation: str | None = None
+        self.placement: dict[int, str] = {}
+        self.local_ranks: list[int] = []
+        self.leader: str | None = None
+        self.proxies: list[str] = []
+        self.mesh: Mesh | None = None
+        self.mesh_error: str | None = None
+        self.ready = False
+        self.listeners: dict[int, socket.socket] = {}
+        self.sessions: dict[int, Session] = {}
+        self.states: dict[int, RankState] = {}
+        self.issued: dict[int, dict[str, int]] = {}
+        self.comms: dict[str, list[int]] = {}
+        self.pending: dict[tuple[str, int], Pending] = {}
+        self.phase = Phase.RUNNING
+        self.targets: dict[str, int] = {}
+        self.reported_parked = False
+        self.round: barrier.Round | None = None
+        self.cut_started: float | None = None
+        self.stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def log(self, message: str, *args) -> None:
+        LOG.info("job %s proxy %s gen %s: " + message, self.job_id, self.id, self.generation, *args)
+
+    # --- configuration ----------------------------------------------------------------------------
+
+    def configure(self, generation: str, placement: dict[int, str]) -> dict:
+        self._teardown()
+        ranks = sorted(placement)
+        if ranks != list(range(len(ranks))):
+            raise ProxyError(f"placement must name ranks 0..N-1, got {ranks}")
+        with self.cond:
+            self.generation = generation
+            self.placement = dict(placement)
+            self.local_ranks = [r for r in ranks if placement[r] == self.id]
+            self.proxies = collectives.Group("world", tuple(placement[r] for r in ranks)).proxies
+            self.leader = self.proxies[0] if self.proxies else None
+            self.states = {r: RankState.ABSENT for r in self.local_ranks}
+            self.issued = {r: {} for r in self.local_ranks}
+            self.phase, self.targets, self.ready, self.mesh_error = Phase.RUNNING, {}, False, None
+        if not self.local_ranks:
+            self.log("serves no rank of this generation")
+            return {"ranks": []}
+        for rank in self.local_ranks:
+            self._listen(rank)
+        threading.Thread(target=self._build_mesh, daemon=True).start()
+        self.log("serving ranks %s; proxies %s; leader %s", self.local_ranks, self.proxies, self.leader)
+        return {"ranks": self.local_ranks}
+
+    def _build_mesh(self) -> None:
+        generation = self.generation
+        try:
+            mesh = Mesh(self.id, str(generation), "", self.bind_host, self._on_control, self._on_lost)
+            rendezvous: Rendezvous = self.rendezvous_factory()
+            mesh.token = rendezvous.publish(str(generation), self.id, self.advertise_host, mesh.port)
+            addresses = rendezvous.wait(str(generation), self.proxies, timeout=300)
+            with self.cond:
+                self.mesh = mesh
+            mesh.connect(addresses, timeout=300)
+        except (OSError, MeshError, RendezvousError) as exc:
+            with self.cond:
+                self.mesh_error = str(exc)
+                self.cond.notify_all()
+            self.log("mesh failed: %s", exc)
+            return
+        with self.cond:
+            self.ready = True
+            self.cond.notify_all()
+        self.log("mesh ready with %s", [p for p in self.proxies if p != self.id])
+
+    def _listen(self, rank: int) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                sock.bind(wire.rank_address(self.job_id, rank))
+                break
+            except OSError:
+                # The proxy of an earlier generation on this network namespace has not let go yet.
+                if time.monotonic() > deadline:
+                    sock.close()
+                    raise
+                time.sleep(0.05)
+        sock.listen(4)
+        with self.cond:
+            self.listeners[rank] = sock
+        threading.Thread(target=self._accept, args=(rank, sock), daemon=True).start()
+
+    def _unlisten(self, rank: int) -> None:
+        sock = self.listeners.pop(rank, None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def _teardown(self) -> None:
+        with self.cond:
+            for rank in list(self.listeners):
+                self._unlisten(rank)
+            for session in self.sessions.values():
+                session.sock.close()
+            self.sessions.clear()
+            if self.mesh is not None:
+                self.mesh.close()
+                self.mesh = None
+            self.pending.clear()
+            self.cond.notify_all()
+
+    # --- worker connections -----------------------------------------------------------------------
+
+    def _accept(self, rank: int, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            uid = wire.peer_uid(sock)
+            if uid not in (self.job_uid, 0):
+                self.log("refused a connection for rank %s from uid %s", rank, uid)
+                sock.close()
+                continue
+            threading.Thread(target=self._serve, args=(rank, sock), daemon=True).start()
+
+    def _serve(self, rank: int, sock: socket.socket) -> None:
+        session = Session(rank, sock, wire.Reader(sock))
+        parked = False
+        try:
+            while True:
+                message, fds = session.reader.recv()
+                for fd in fds:
+                    os.close(fd)
+                op = message.get("op")
+                try:
+                    if op == "hello":
+                        self._hello(session, message)
+                        wire.send(sock, {"ok": True, "generation": self.generation, "proxy": self.id})
+                    elif op == "map":
+                        region = self.device.region(int(message["bytes"]))
+                        old, session.region = session.region, region
+                        wire.send(sock, {"ok": True, "bytes": region.size}, [region.fd])
+                        os.close(region.fd)
+                        region.fd = -1
+                        if old is not None:
+                            old.close()
+                    elif op == "comm":
+                        self._register_comm(session, str(message["comm"]), message["ranks"])
+                        wire.send(sock, {"ok": True})
+                    elif op == "bye":
+                        return
+                    else:
+                        reply = self._operation(session, message)
+                        if reply.get("park"):
+                            wire.send(sock, reply)
+                            parked = True
+                            return
+                        wire.send(sock, reply)
+                except (ProxyError, BackendError, KeyError, ValueError, TypeError) as exc:
+                    wire.send(sock, {"ok": False, "error": f"{op}: {exc}"})
+        except (EOFError, OSError, wire.ProtocolError):
+            pass
+        finally:
+            sock.close()
+            if session.region is not None:
+                session.region.close()
+            with self.cond:
+                if self.sessions.get(rank) is session:
+                    del self.sessions[rank]
+                    if not parked and self.states.get(rank) != RankState.PARKED:
+                        self.states[rank] = RankState.FINISHED
+                    self._check_parked()
+                self.cond.notify_all()
+
+    def _hello(self, session: Session, message: dict) -> None:
+        rank = session.rank
+        if message.get("rank") != rank:
+            raise ProxyError(f"connected as rank {rank} but said rank {message.get('rank')}")
+        with self.cond:
+            if rank not in self.local_ranks:
+                raise ProxyError(f"rank {rank} is not served by proxy {self.id}")
+            if message.get("world_size") != len(self.placement):
+                raise ProxyError(f"world size {message.get('world_size')} differs from the job's "
+                                 f"{len(self.placement)}")
+            previous = self.sessions.get(rank)
+            if previous is not None:
+                previous.sock.close()
+            self.sessions[rank] = session
+            self.states[rank] = RankState.IDLE
+        for comm, ranks in (message.get("comms") or {}).items():
+            self._register_comm(session, str(comm), ranks)
+
+    def _register_comm(self, session: Session, comm: str, ranks: Any) -> None:
+        if not isinstance(ranks, list) or not all(isinstance(r, int) and r in self.placement for r in ranks):
+            raise ProxyError(f"communicator {comm}: ranks must be ranks of the job, got {ranks!r}")
+        with self.cond:
+            known = self.comms.setdefault(comm, list(ranks))
+            if known != list(ranks):
+                raise ProxyError(f"communicator {comm} has ranks {known}, rank {session.rank} says {ranks}")
+        session.comms[comm] = list(ranks)
+
+    def group(self, comm: str) -> collectives.Group:
+        ranks = self.comms[comm]
+        return collectives.Group(comm, tuple(self.placement[r] for r in ranks))
+
+    # --- operations -------------------------------------------------------------------------------
+
+    def _channel(self, session: Session, message: dict) -> tuple[str, int]:
+        comm = str(message["comm"])
+        if comm not in session.comms:
+            raise ProxyError(f"communicator {comm} was not registered")
+        me = session.comms[comm].index(session.rank)
+        op = message["op"]
+        if op == "send":
+            return barrier.p2p_channel(comm, me, int(message["peer"])), me
+        if op == "recv":
+            return barrier.p2p_channel(comm, int(message["peer"]), me), me
+        return barrier.collective_channel(comm), me
+
+    def _operation(self, session: Session, message: dict) -> dict:
+        channel, group_rank = self._channel(session, message)
+        rank = session.rank
+        with self.cond:
+            while not self.ready:
+                if self.mesh_error:
+                    raise ProxyError(f"the job's proxies could not connect: {self.mesh_error}")
+                self.cond.wait(1.0)
+            seq = self.issued[rank].get(channel, 0) + 1
+            while True:
+                decision = barrier.gate(self.phase, seq, self.targets.get(channel, 0))
+                if decision != Gate.HOLD:
+                    break
+                self.cond.wait()
+            if decision == Gate.PARK:
+                self.states[rank] = RankState.PARKED
+                self._unlisten(rank)
+                self._check_parked()
+                return {"park": True}
+            self.issued[rank][channel] = seq
+            self.states[rank] = RankState.BUSY
+        started = time.monotonic()
+        try:
+            self._execute(session, message, channel, seq, group_rank)
+        except MeshError:
+            time.sleep(3600)  # the proxy is exiting (lost peer): let the node agent end the job
+        finally:
+            with self.cond:
+                if self.states.get(rank) == RankState.BUSY:
+                    self.states[rank] = RankState.IDLE
+            stats = self.stats[message["op"]]
+            stats["count"] += 1
+            stats["seconds"] += time.monotonic() - started
+        return {"ok": True}
+
+    def _execute(self, session: Session, message: dict, channel: str, seq: int, group_rank: int) -> None:
+        op = message["op"]
+        if op in ("send", "recv"):
+            self._point_to_point(session, message, channel, seq, group_rank)
+            return
+        if op not in ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier"):
+            raise ProxyError(f"unknown operation {op!r}")
+        group = self.group(str(message["comm"]))
+        key = (channel, seq)
+        with self.cond:
+            pending = self.pending.get(key)
+            if pending is None:
+                pending = self.pending[key] = Pending(expected=len(group.members_of(self.id)))
+            pending.entries[group_rank] = (session, message)
+            last = len(pending.entries) == pending.expected
+            if last:
+                del self.pending[key]
+        if last:
+            self.stats[op]["skew_seconds"] += time.monotonic() - pending.first_at
+            try:
+                self._collective(group, f"{channel}:{seq}", pending)
+            except (BackendError, ProxyError, ValueError) as exc:
+                pending.error = str(exc)
+            finally:
+                pending.done.set()
+        else:
+            pending.done.wait()
+        if pending.error:
+            raise ProxyError(pending.error)
+
+    def _collective(self, group: collectives.Group, tag: str, pending: Pending) -> None:
+        assert self.mesh is not None
+        entries = pending.entries
+        first = next(iter(entries.values()))[1]
+        op = first["op"]
+        for session, message in entries.values():
+            if (message["op"], message.get("dtype"), message.get("count")) != (
+                    op, first.get("dtype"), first.get("count")):
+                raise ProxyError(f"ranks disagree on collective {tag}: {message} vs {first}")
+        started = time.monotonic()
+        if op == "barrier":
+            collectives.allgather(self.mesh, group, tag, {g: np.empty(0, np.uint8) for g in entries},
+                                  np.dtype(np.uint8))
+            self.stats[op]["exchange_seconds"] += time.monotonic() - started
+            return
+        dtype, count = str(first["dtype"]), int(first["count"])
+        inputs = {g: self._region(s).array(dtype, count) for g, (s, _) in entries.items()}
+        size = len(group.owners)
+        if op == "allreduce":
+            result = collectives.allreduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]))
+            outputs = {g: result for g in entries}
+        elif op == "broadcast":
+            root = int(first.get("root", 0))
+            result = collectives.broadcast(self.mesh, group, tag, inputs, root)
+            outputs = {g: result for g in entries if g != root}
+        elif op == "allgather":
+            result = collectives.allgather(self.mesh, group, tag, inputs, inputs[next(iter(inputs))].dtype)
+            outputs = {g: result for g in entries}
+        else:  # reduce_scatter
+            if count % size:
+                raise ProxyError(f"reduce_scatter of {count} elements over {size} ranks")
+            result = collectives.allreduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]))
+            k = count // size
+            outputs = {g: result[g * k:(g + 1) * k] for g in entries}
+        self.stats[op]["exchange_seconds"] += time.monotonic() - started
+        self.stats[op]["bytes"] += inputs[next(iter(inputs))].nbytes
+        for g, data in outputs.items():
+            session = entries[g][0]
+            self._region(session).array(dtype, data.size)[:] = data
+
+    def _point_to_point(self, session: Session, message: dict, channel: str, seq: int,
+                        group_rank: int) -> None:
+        assert self.mesh is not None
+        group = self.group(str(message["comm"]))
+        dtype, count, peer = str(message["dtype"]), int(message["count"]), int(message["peer"])
+        if not 0 <= peer < len(group.owners):
+            raise ProxyError(f"peer {peer} is not in communicator {group.name}")
+        tag = f"{channel}:{seq}"
+        region = self._region(session)
+        if message["op"] == "send":
+            self.mesh.send(group.owners[peer], tag, [np.array(region.array(dtype, count), copy=True)])
+        else:
+            data = np.frombuffer(self.mesh.take(tag, group.owners[peer]), dtype=region.array(dtype, 0).dtype)
+            if data.size != count:
+                raise ProxyError(f"recv of {count} elements got a message of {data.size}")
+            region.array(dtype, count)[:] = data
+
+    @staticmethod
+    def _region(session: Session) -> Region:
+        if session.region is None:
+            raise ProxyError("no shared memory mapped: send map first")
+        return session.region
+
+    # --- the barrier ------------------------------------------------------------------------------
+
+    def _check_parked(self) -> None:
+        """(With the lock.) Tell the leader once every local rank is at rest during a cut."""
+        if self.phase == Phase.CUTTING and not self.reported_parked and barrier.parked(
+                {r: str(s) for r, s in self.states.items()}):
+            self.reported_parked = True
+            self._to_leader({"ctl": "parked", "from": self.id})
+
+    def _to_leader(self, message: dict) -> None:
+        threading.Thread(target=self._send_control, args=(self.leader, message), daemon=True).start()
+
+    def _send_control(self, peer: str | None, message: dict) -> None:
+        try:
+            if self.mesh is not None and peer is not None:
+                self.mesh.control(peer, message)
+        except (OSError, KeyError) as exc:
+            self.log("cannot send %s to %s: %s", message.get("ctl"), peer, exc)
+
+    def _broadcast_control(self, message: dict) -> None:
+        for peer in self.proxies:
+            self._send_control(peer, message)
+
+    def _on_control(self, sender: str, message: dict) -> None:
+        kind = message.get("ctl")
+        if kind == "drain_request" and self.id == self.leader:
+            with self.cond:
+                start = self.round is None
+                if start:
+                    self.round = barrier.Round(self.proxies)
+            if start:
+                self._broadcast_control({"ctl": "drain"})
+        elif kind == "drain":
+            with self.cond:
+                self.phase = Phase.DRAINING
+                self.cut_started = time.monotonic()
+                self.reported_parked = False
+                maxima = barrier.local_maxima(self.issued)
+            self._to_leader({"ctl": "report", "from": self.id, "maxima": maxima})
+        elif kind == "report" and self.round is not None:
+            targets = self.round.report(message["from"], message["maxima"])
+            if targets is not None:
+                self._broadcast_control({"ctl": "cut", "targets": targets})
+        elif kind == "cut":
+            with self.cond:
+                if self.phase == Phase.DRAINING:
+                    self.phase = Phase.CUTTING
+                    self.targets = {str(k): int(v) for k, v in message["targets"].items()}
+                    self.log("cut targets %s", self.targets)
+                    self._check_parked()
+                self.cond.notify_all()
+        elif kind == "parked" and self.round is not None:
+            if self.round.park(message["from"]):
+                self.round = None
+                self._broadcast_control({"ctl": "cut_done"})
+        elif kind == "cut_done":
+            with self.cond:
+                if self.phase == Phase.CUTTING:
+                    self.phase = Phase.PARKED
+                    self.log("cut reached in %.2fs", time.monotonic() - (self.cut_started or 0))
+                self.cond.notify_all()
+        elif kind == "abort_request" and self.id == self.leader:
+            self.round = None
+            self._broadcast_control({"ctl": "abort"})
+        elif kind == "abort":
+            self._resume(aborted=True)
+
+    def _on_lost(self, peer: str, why: str) -> None:
+        self.log("lost proxy %s (%s): exiting so the node agent requeues the job", peer, why)
+        logging.shutdown()
+        os._exit(3)
+
+    def quiesce(self, timeout: float) -> dict:
+        with self.cond:
+            if not self.local_ranks:
+                return {"idle": True}
+            if self.phase == Phase.PARKED:
+                return {"idle": False, "cut_seconds": 0.0}
+            while not self.ready:
+                if self.mesh_error or not self.cond.wait(timeout):
+                    raise ProxyError(f"the job's proxies are not connected: {self.mesh_error or 'timeout'}")
+        started = time.monotonic()
+        self._to_leader({"ctl": "drain_request", "from": self.id})
+        deadline = started + timeout
+        with self.cond:
+            while self.phase != Phase.PARKED:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    busy = {r: str(s) for r, s in self.states.items() if s not in (RankState.PARKED,
+                                                                                   RankState.FINISHED)}
+                    self._to_leader({"ctl": "abort_request", "from": self.id})
+                    raise ProxyError(f"no consistent cut within {timeout:.0f}s (phase {self.phase}, "
+                                     f"ranks not at rest: {busy}); the job continues")
+                self.cond.wait(left)
+        return {"idle": False, "cut_seconds": round(time.monotonic() - started, 3)}
+
+    def _resume(self, aborted: bool = False) -> dict:
+        with self.cond:
+            if self.phase == Phase.RUNNING:
+                return {"resumed": []}
+            self.phase = Phase.RUNNING
+            self.targets = {}
+            resumed = [r for r, s in self.states.items() if s == RankState.PARKED]
+            for rank in resumed:
+                self.states[rank] = RankState.ABSENT
+            self.cond.notify_all()
+        for rank in resumed:
+            self._listen(rank)
+        self.log("%s; serving ranks %s again", "cut aborted" if aborted else "resumed", resumed)
+        return {"resumed": resumed}
+
+    def resume(self) -> dict:
+        return self._resume()
+
+    def status(self) -> dict:
+        with self.cond:
+            return {"proxy": self.id, "generation": self.generation, "phase": str(self.phase),
+                    "ranks": {str(r): str(s) for r, s in self.states.items()}, "ready": self.ready,
+                    "leader": self.leader, "mesh_error": self.mesh_error}
+
+    def stats_report(self) -> dict:
+        report = {op: dict(values) for op, values in self.stats.items()}
+        if self.mesh is not None:
+            report["mesh"] = {"bytes_sent": self.mesh.bytes_sent}
+        return report
+
+    # --- control socket ---------------------------------------------------------------------------
+
+    def handle(self, request: dict) -> dict:
+        op = request.get("op")
+        if op == "configure":
+            placement = {int(r): str(p) for r, p in dict(request["placement"]).items()}
+            return self.configure(str(request["generation"]), placement)
+        if op == "quiesce":
+            return self.quiesce(float(request.get("timeout") or 60.0))
+        if op == "resume":
+            return self.resume()
+        if op == "status":
+            return self.status()
+        if op == "stats":
+            return self.stats_report()
+        if op == "ping":
+            return {"proxy": self.id, "pid": os.getpid()}
+        raise ProxyError(f"unknown op {op!r}; valid: configure, quiesce, resume, status, stats, ping")
+
+
+def serve_control(proxy: Proxy, path: Path) -> socket.socket:
+    """Listen for the node agent on `path` (root only); the socket appears once it listens."""
+    path.unlink(missing_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp))
+    os.chmod(tmp, 0o600)
+    server.listen(8)
+    os.rename(tmp, path)
+
+    def client(sock: socket.socket) -> None:
+        reader = wire.Reader(sock)
+        try:
+            while True:
+                request, fds = reader.recv()
+                for fd in fds:
+                    os.close(fd)
+                try:
+                    reply = {"ok": True, **proxy.handle(request)}
+                except (ProxyError, KeyError, ValueError, TypeError, OSError) as exc:
+                    reply = {"ok": False, "error": str(exc)}
+                wire.send(sock, reply)
+        except (EOFError, OSError, wire.ProtocolError):
+            pass
+        finally:
+            sock.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return
+            if wire.peer_uid(sock) != 0:
+                sock.close()
+                continue
+            threading.Thread(target=client, args=(sock,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server
+
+
+def request(path: Path, payload: dict, timeout: float | None = 30.0) -> dict:
+    """One request to a proxy's control socket (the node agent's side)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        wire.send(sock, payload)
+        reply, _ = wire.Reader(sock).recv()
+    return reply
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="singularity-proxy",
+                                     description="Device proxy for one device of one job.")
+    parser.add_argument("--job-id", type=int, required=True)
+    parser.add_argument("--uid", type=int, required=True, help="uid of the job's user")
+    parser.add_argument("--id", required=True, help="proxy id, unique in the job (NODE/DEVICE)")
+    parser.add_argument("--socket", type=Path, required=True, help="control socket for the node agent")
+    parser.add_argument("--backend", default="host", help="device backend (default: host)")
+    parser.add_argument("--rendezvous-dir", type=Path, default=None,
+                        help="find peers through this folder instead of the coordinator (one machine)")
+    parser.add_argument("--advertise", default=None,
+                        help="address other nodes' proxies reach this one at (default: this host's)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
+
+    from singularity_slurm.config import load
+    from singularity_slurm.coordinator.registry import connect
+
+    from .rendezvous import FileRendezvous, RedisRendezvous
+
+    advertise = args.advertise or _host_address()
+    if args.rendezvous_dir is not None:
+        def rendezvous():
+            return FileRendezvous(str(args.rendezvous_dir / str(args.job_id)))
+    else:
+        config = load()
+
+        def rendezvous():
+            return RedisRendezvous(connect(config.redis), args.job_id)
+    proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous, advertise_host=advertise)
+    server = serve_control(proxy, args.socket)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda s, f: stop.set())
+    signal.signal(signal.SIGINT, lambda s, f: stop.set())
+    print(f"device proxy {args.id} for job {args.job_id} ({args.backend}) listening on {args.socket}",
+          flush=True)
+    stop.wait()
+    server.close()
+    args.socket.unlink(missing_ok=True)
+    proxy._teardown()
+    print(f"device proxy {args.id} for job {args.job_id} stopped", flush=True)
+    return 0
+
+
+def _host_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The proxy's hardware abstraction layer: memory shared with workers, and reductions.
+
+`DeviceBackend` is what a proxy needs from a device. `HostBackend` (CPU memory, numpy) is the one
+there is now, for CPU device slots and for the dev cluster's GPUs; a `cuda` backend implements the same
+interface with device memory and kernels. Reductions combine contributions in the order given, which
+the caller makes the logical-rank order: results then do not depend on arrival order or placement.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+DTYPES = {name: np.dtype(name) for name in
+          ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "bool")}
+REDUCTIONS = ("sum", "avg", "product", "min", "max")
+_UFUNCS = {"sum": np.add, "avg": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum}
+MIN_REGION = 1 << 20
+
+
+class BackendError(Exception):
+    """A request the device backend cannot serve (unknown dtype or reduction)."""
+
+
+@dataclass
+class Region:
+    """Memory shared with one worker: `fd` is handed over once, `view` is the proxy's bytes."""
+
+    fd: int
+    size: int
+    map: mmap.mmap
+
+    @property
+    def view(self) -> np.ndarray:
+        return np.frombuffer(self.map, dtype=np.uint8)
+
+    def array(self, dtype: str, count: int, offset: int = 0) -> np.ndarray:
+        return np.frombuffer(self.map, dtype=DTYPES[dtype], count=count, offset=offset)
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with it
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class DeviceBackend(Protocol):
+    name: str
+
+    def region(self, nbytes: int) -> Region: ...
+
+    def reduce(self, parts: Sequence[np.ndarray], op: str) -> np.ndarray: ...
+
+
+def dtype_of(name: str) -> np.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BackendError(f"dtype {name!r} not supported; supported: {', '.join(DTYPES)}") from None
+
+
+class HostBackend:
+    """CPU memory and numpy arithmetic."""
+
+    name = "host"
+
+    def region(self, nbytes: int) -> Region:
+        size = max(MIN_REGION, -(-nbytes // MIN_REGION) * MIN_REGION)
+        fd = os.memfd_create("singularity-proxy", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return Region(fd, size, mmap.mmap(fd, size))
+        except OSError:
+            os.close(fd)
+            raise
+
+    def reduce(self, parts: Sequence[np.ndarray], op: str) -> np.ndarray:
+        """parts[0] op parts[1] op ..., left to right; `avg` divides the sum by len(parts)."""
+        if op not in _UFUNCS:
+            raise BackendError(f"reduction {op!r} not supported; supported: {', '.join(REDUCTIONS)}")
+        acc = np.array(parts[0], copy=True)
+        ufunc = _UFUNCS[op]
+        for part in parts[1:]:
+            ufunc(acc, part, out=acc)
+        if op == "avg":
+            if acc.dtype.kind != "f":
+                raise BackendError(f"avg needs a floating-point dtype, got {acc.dtype}")
+            np.divide(acc, len(parts), out=acc)
+        return acc
+
+
+def backend(name: str) -> DeviceBackend:
+    if name == "host":
+        return HostBackend()
+    raise BackendError(f"device backend {name!r} not available here; available: host")

@@ -1,0 +1,140 @@
+"""How a job's proxies find each other: a record per rendezvous generation in the coordinator.
+
+Every start or restore of a distributed job is a new generation; its proxies publish their address
+under it and wait for the others named by the placement. A fresh generation after every restore means
+a proxy of an earlier allocation can never be mistaken for a peer. The record also carries a random
+token only the proxies (root, with the Redis password) can read: a peer must present it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from singularity_slurm.coordinator import keys
+
+RECORD_TTL_S = 7 * 24 * 3600
+
+
+class RendezvousError(Exception):
+    """The peers of a generation did not all publish in time."""
+
+
+class Rendezvous(Protocol):
+    def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
+        """Publish this proxy's address; returns the generation's token."""
+
+    def wait(self, generation: str, proxies: Iterable[str], timeout: float) -> dict[str, tuple[str, int]]:
+        """Addresses of every proxy named, once all have published."""
+
+
+class RedisRendezvous:
+    def __init__(self, client, job_id: int | str, poll_s: float = 0.05):
+        self.client = client
+        self.job_id = job_id
+        self.poll_s = poll_s
+
+    def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
+        key = keys.job_rendezvous(self.job_id, generation)
+        pipe = self.client.pipeline()
+        pipe.hsetnx(key, "token", secrets.token_hex(16))
+        pipe.hset(key, f"proxy:{proxy}", json.dumps([host, port]))
+        pipe.expire(key, RECORD_TTL_S)
+        pipe.hget(key, "token")
+        token = pipe.execute()[-1]
+        return token.decode() if isinstance(token, bytes) else token
+
+    def wait(self, generation: str, proxies: Iterable[str], timeout: float) -> dict[str, tuple[str, int]]:
+        key = keys.job_rendezvous(self.job_id, generation)
+        wanted = set(proxies)
+        deadline = time.monotonic() + timeout
+        while True:
+            record = {(k.decode() if isinstance(k, bytes) else k): v
+                      for k, v in self.client.hgetall(key).items()}
+            found = {p: tuple(json.loads(record[f"proxy:{p}"])) for p in wanted if f"proxy:{p}" in record}
+            if len(found) == len(wanted):
+                return found  # type: ignore[return-value]
+            if time.monotonic() > deadline:
+                missing = ", ".join(sorted(wanted - set(found)))
+                raise RendezvousError(f"proxies {missing} of job {self.job_id} did not publish generation "
+                                      f"{generation} within {timeout:.0f}s")
+            time.sleep(self.poll_s)
+
+
+class MemoryRendezvous:
+    """The same contract in one process (unit tests, benchmarks without a coordinator)."""
+
+    def __init__(self):
+        self.records: dict[str, dict[str, object]] = {}
+        self.cond = threading.Condition()
+
+    def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
+        with self.cond:
+            record = self.records.setdefault(generation, {"token": secrets.token_hex(16)})
+            record[f"proxy:{proxy}"] = (host, port)
+            self.cond.notify_all()
+            return str(record["token"])
+
+    def wait(self, generation: str, proxies: Iterable[str], timeout: float) -> dict[str, tuple[str, int]]:
+        wanted = set(proxies)
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                record = self.records.get(generation, {})
+                found = {p: record[f"proxy:{p}"] for p in wanted if f"proxy:{p}" in record}
+                if len(found) == len(wanted):
+                    return found  # type: ignore[return-value]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RendezvousError(f"proxies {', '.join(sorted(wanted - set(found)))} did not "
+                                          f"publish generation {generation}")
+                self.cond.wait(left)
+
+
+class FileRendezvous:
+    """The same contract through a folder (one machine, no coordinator): benchmarks and tests."""
+
+    def __init__(self, folder: str, poll_s: float = 0.02):
+        from pathlib import Path
+
+        self.folder = Path(folder)
+        self.poll_s = poll_s
+
+    def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
+        import os
+
+        gen_dir = self.folder / generation
+        gen_dir.mkdir(parents=True, exist_ok=True)
+        token_path = gen_dir / "token"
+        try:
+            fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.write(fd, secrets.token_hex(16).encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+        tmp = gen_dir / f".{proxy.replace('/', '_')}.tmp"
+        tmp.write_text(json.dumps([proxy, host, port]))
+        tmp.rename(gen_dir / f"proxy-{proxy.replace('/', '_')}.json")
+        while not token_path.read_text():
+            time.sleep(self.poll_s)
+        return token_path.read_text()
+
+    def wait(self, generation: str, proxies: Iterable[str], timeout: float) -> dict[str, tuple[str, int]]:
+        wanted = set(proxies)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {}
+            for path in (self.folder / generation).glob("proxy-*.json"):
+                proxy, host, port = json.loads(path.read_text())
+                if proxy in wanted:
+                    found[proxy] = (host, int(port))
+            if len(found) == len(wanted):
+                return found
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"proxies {', '.join(sorted(wanted - set(found)))} did not publish "
+                                      f"generation {generation} in {self.folder}")
+            time.sleep(self.poll_s)

@@ -1,0 +1,98 @@
+"""The framing every proxy connection uses, and the names workers find their proxy by.
+
+A frame is a 4-byte big-endian length and a JSON object; on the worker connection, file descriptors
+(shared-memory regions) ride along with SCM_RIGHTS. Standard library only: workers import this before
+torch, and a worker's checkpoint image must not depend on anything but a name to reconnect to.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+_LENGTH = struct.Struct("!I")
+MAX_FRAME = 1 << 20
+MAX_FDS = 4
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a frame of this protocol."""
+
+
+def rank_address(job_id: int | str, rank: int) -> str:
+    """The abstract unix socket name the proxy serving `rank` of a job listens on.
+
+    Abstract names live in the network namespace, not the filesystem, so a restored worker reaches
+    whichever proxy serves its rank on the node it was restored on, through the same name. The name
+    is only bound while the proxy accepts the rank: a parked worker finds it unbound until the
+    checkpoint is over. Callers check the listener is root (SO_PEERCRED) before trusting it.
+    """
+    return f"\0singularity-proxy/{job_id}/{rank}"
+
+
+def encode(message: dict) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME}")
+    return _LENGTH.pack(len(data)) + data
+
+
+def send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
+    frame = encode(message)
+    if fds:
+        sent = socket.send_fds(sock, [frame], fds)
+        if sent < len(frame):
+            sock.sendall(frame[sent:])
+    else:
+        sock.sendall(frame)
+
+
+class Reader:
+    """Reads frames (and the descriptors that came with them) from a stream socket."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buffer = b""
+        self.fds: list[int] = []
+
+    def recv(self) -> tuple[dict, list[int]]:
+        """The next frame and the descriptors received with it; EOFError at a clean end."""
+        while True:
+            if len(self.buffer) >= _LENGTH.size:
+                (length,) = _LENGTH.unpack_from(self.buffer)
+                if length > MAX_FRAME:
+                    raise ProtocolError(f"frame length {length} exceeds {MAX_FRAME}")
+                end = _LENGTH.size + length
+                if len(self.buffer) >= end:
+                    data, self.buffer = self.buffer[_LENGTH.size:end], self.buffer[end:]
+                    fds, self.fds = self.fds, []
+                    try:
+                        message = json.loads(data)
+                    except ValueError as exc:
+                        raise ProtocolError(f"frame is not JSON: {exc}") from exc
+                    if not isinstance(message, dict):
+                        raise ProtocolError("frame is not a JSON object")
+                    return message, fds
+            data, fds, _, _ = socket.recv_fds(self.sock, 65536, MAX_FDS)
+            self.fds.extend(fds)
+            if not data:
+                for fd in self.fds:
+                    _close_quietly(fd)
+                self.fds = []
+                raise EOFError("connection closed")
+            self.buffer += data
+
+
+def _close_quietly(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def peer_uid(sock: socket.socket) -> int:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)[1]
