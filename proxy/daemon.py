@@ -379,7 +379,7 @@ class Proxy:
         entries = pending.entries
         first = next(iter(entries.values()))[1]
         op = first["op"]
-        for session, message in entries.values():
+        for _session, message in entries.values():
             if (message["op"], message.get("dtype"), message.get("count")) != (
                     op, first.get("dtype"), first.get("count")):
                 raise ProxyError(f"ranks disagree on collective {tag}: {message} vs {first}")
