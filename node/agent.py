@@ -19,6 +19,13 @@ Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error
   latest {}                              the newest committed checkpoint of the job, or null
   generations {rank}                     generations of this node's multi-node checkpoints
   status {}                              the tree's state and the last checkpoint
+  devices {}                             the ids of this node's device proxies, in device order
+
+A distributed job's start and restore carry `proxy: {generation, placement}` (rank -> proxy id):
+the agent configures its proxies for that rendezvous generation and starts this node's ranks. Its
+checkpoints then first bring the job to its distributed cut through the proxies (quiesce), and let
+the ranks reconnect after the dump (resume). A proxy that dies ends the tree (`proxy_lost` in the
+wait answer), so the launcher requeues the job instead of leaving its ranks waiting.
 """
 
 from __future__ import annotations
@@ -34,8 +41,12 @@ import socketserver
 import struct
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from singularity_slurm.node import services
 
 MAX_REQUEST = 1 << 20
 LOG = logging.getLogger("singularity.agent")
@@ -73,11 +84,16 @@ class RequestError(Exception):
 class AgentState:
     """What the agent knows and does; `handle` is the whole protocol."""
 
-    def __init__(self, job_id: int, job_uid: int, node: str, engine: Any = None):
+    def __init__(self, job_id: int, job_uid: int, node: str, engine: Any = None,
+                 run_dir: Path | None = None, cut_timeout: float = 60.0):
         self.job_id = job_id
         self.job_uid = job_uid
         self.node = node
         self.engine = engine  # CheckpointEngine; None in tests of the protocol alone
+        self.run_dir = run_dir
+        self.cut_timeout = cut_timeout
+        self.proxies: dict[str, Path] = {}  # proxies serving ranks of the tree: id -> control socket
+        self.proxy_lost: str | None = None
         self.lock = threading.Condition()
         self.state = TreeState.NONE
         self.init_pid: int | None = None
@@ -118,6 +134,13 @@ class AgentState:
     def op_start(self, request: dict) -> dict:
         engine = self._need_engine()
         engine.use_rank(request.get("rank", 0))
+        with self.lock:
+            if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
+                raise RequestError(f"job {self.job_id} already runs on {self.node}")
+        ranks = self._configure_proxies(request.get("proxy"))
+        if ranks is not None:
+            request = {**request, "env": {**(request.get("env") or {}),
+                                          "SINGULARITY_LOCAL_RANKS": ",".join(map(str, ranks))}}
         spec = engine.tree_spec(request, self.job_uid)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
@@ -134,6 +157,7 @@ class AgentState:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
             engine.use_rank(request.get("rank", 0))
+            self._configure_proxies(request.get("proxy"))
             result = engine.restore(self.job_id, self.job_uid, request.get("generation"))
             self.init_pid = result["init_pid"]
             self._running(result.pop("waiter"))
@@ -143,7 +167,97 @@ class AgentState:
     def _running(self, waiter) -> None:
         self.state = TreeState.RUNNING
         self.exit_status = None
+        self.proxy_lost = None
         threading.Thread(target=self._reap, args=(waiter, self.init_pid), daemon=True).start()
+        if self.proxies:
+            threading.Thread(target=self._watch_proxies, args=(self.init_pid,), daemon=True).start()
+
+    # --- device proxies ---------------------------------------------------------------------------
+
+    def local_proxies(self) -> dict[str, Path]:
+        """This node's proxies of the job (started by the Prolog): id -> control socket."""
+        if self.run_dir is None:
+            return {}
+        found = {}
+        for sock in self.run_dir.glob("proxy-*.sock"):
+            found[f"{self.node}/{sock.stem.removeprefix('proxy-')}"] = sock
+        return dict(sorted(found.items(), key=lambda item: _device_order(item[0])))
+
+    def op_devices(self, request: dict) -> dict:
+        return {"node": self.node, "proxies": list(self.local_proxies())}
+
+    def _configure_proxies(self, config: Any) -> list[int] | None:
+        """Configure this node's proxies for a rendezvous generation; this node's ranks, or None."""
+        if config is None:
+            self.proxies = {}
+            return None
+        from singularity_slurm.proxy.daemon import request as proxy_request
+
+        if not isinstance(config, dict) or not isinstance(config.get("generation"), str):
+            raise RequestError("proxy: needs {generation: string, placement: {rank: proxy id}}")
+        placement = config.get("placement")
+        if not isinstance(placement, dict) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in placement.items()):
+            raise RequestError("proxy.placement must map rank numbers to proxy ids")
+        local = self.local_proxies()
+        used = {proxy for proxy in placement.values() if proxy in local}
+        ranks = sorted(int(r) for r, proxy in placement.items() if proxy in local)
+        if not ranks:
+            raise RequestError(f"the placement gives no rank to {self.node}'s proxies "
+                               f"({', '.join(local) or 'none'})")
+        for proxy in local:  # every proxy learns the generation; unused ones serve nothing
+            reply = proxy_request(local[proxy], {"op": "configure", "generation": config["generation"],
+                                                 "placement": placement})
+            if not reply.get("ok"):
+                raise RequestError(f"proxy {proxy}: {reply.get('error')}")
+        self.proxies = {proxy: local[proxy] for proxy in sorted(used, key=_device_order)}
+        LOG.info("job %s node %s: proxies %s serve ranks %s (generation %s)", self.job_id, self.node,
+                 list(self.proxies), ranks, config["generation"])
+        return ranks
+
+    def _proxies_call(self, payload: dict, timeout: float | None) -> list[dict]:
+        from singularity_slurm.proxy.daemon import request as proxy_request
+
+        def call(path: Path) -> dict:
+            try:
+                return proxy_request(path, payload, timeout=timeout)
+            except (OSError, ValueError, EOFError) as exc:
+                return {"ok": False, "error": f"{path.name}: {exc}"}
+
+        with ThreadPoolExecutor(max_workers=max(len(self.proxies), 1)) as pool:
+            return list(pool.map(call, self.proxies.values()))
+
+    def _quiesce(self) -> float | None:
+        """Bring the job to its distributed cut; seconds it took, None for a job without proxies."""
+        if not self.proxies:
+            return None
+        started = time.monotonic()
+        replies = self._proxies_call({"op": "quiesce", "timeout": self.cut_timeout}, self.cut_timeout + 30)
+        failed = [r.get("error") for r in replies if not r.get("ok")]
+        if failed:
+            self._proxies_call({"op": "resume"}, 30)
+            raise RequestError(f"the job's ranks did not reach a consistent cut: {failed[0]}")
+        return round(time.monotonic() - started, 3)
+
+    def _watch_proxies(self, init_pid: int) -> None:
+        names = {proxy: f"proxy-{proxy.split('/', 1)[1]}" for proxy in self.proxies}
+        while True:
+            time.sleep(0.5)
+            with self.lock:
+                if self.init_pid != init_pid or self.state not in (TreeState.RUNNING,
+                                                                   TreeState.CHECKPOINTING):
+                    return
+                assert self.run_dir is not None
+                dead = [p for p, name in names.items() if services.running_pid(self.run_dir, name) is None]
+                if dead:
+                    self.proxy_lost = dead[0]
+                    LOG.error("job %s node %s: device proxy %s died; ending the tree so the job is "
+                              "requeued", self.job_id, self.node, dead[0])
+                    try:
+                        os.kill(init_pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    return
 
     def _reap(self, waiter, init_pid: int) -> None:
         status = waiter()
@@ -166,7 +280,8 @@ class AgentState:
             while self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING) or (
                     self.state == TreeState.DUMPED and self.exit_status is None):
                 self.lock.wait()
-            return {"state": str(self.state), "exit_status": self.exit_status}
+            return {"state": str(self.state), "exit_status": self.exit_status,
+                    "proxy_lost": self.proxy_lost}
 
     def op_checkpoint(self, request: dict) -> dict:
         engine = self._need_engine()
@@ -181,8 +296,15 @@ class AgentState:
             self.state = TreeState.CHECKPOINTING
             init_pid = self.init_pid
         try:
-            summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop,
-                                        generation=generation)
+            cut_seconds = self._quiesce()
+            try:
+                summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop,
+                                            generation=generation)
+            finally:
+                if self.proxies and not stop:
+                    self._proxies_call({"op": "resume"}, 30)
+            if cut_seconds is not None:
+                summary = {**summary, "cut_seconds": cut_seconds}
         except Exception:
             with self.lock:
                 if self.state == TreeState.CHECKPOINTING:
@@ -241,6 +363,14 @@ class AgentState:
 
     def shutdown(self) -> None:
         self.op_kill({})
+
+
+def _device_order(proxy: str) -> tuple[str, int, str]:
+    """n1/gpu10 after n1/gpu2."""
+    device = proxy.split("/", 1)[-1]
+    kind = device.rstrip("0123456789")
+    number = device[len(kind):]
+    return (kind, int(number) if number else -1, proxy)
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -320,11 +450,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(message)s")
     engine = None
+    cut_timeout = 60.0
     if not args.no_engine:
         from .engine import CheckpointEngine
 
         engine = CheckpointEngine.from_config(args.node, args.socket.parent)
-    serve(args.socket, AgentState(args.job_id, args.uid, args.node, engine))
+        cut_timeout = float(engine.config.proxy.cut_timeout)
+    serve(args.socket, AgentState(args.job_id, args.uid, args.node, engine, run_dir=args.socket.parent,
+                                  cut_timeout=cut_timeout))
     return 0
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from singularity_slurm.config import load
+from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import NodeStart, Registry, connect
 from singularity_slurm.errors import RegistryError, SingularityError
 from singularity_slurm.jobenv import JobContext, job_run_dir
@@ -15,6 +16,7 @@ from singularity_slurm.node import services
 from singularity_slurm.nodelog import node_logger
 
 AGENT = "agent"
+PROXY = "proxy-"
 
 
 def agent_spec(job: JobContext, run_dir: Path) -> services.ServiceSpec:
@@ -23,6 +25,21 @@ def agent_spec(job: JobContext, run_dir: Path) -> services.ServiceSpec:
             "--job-id", str(job.job_id), "--uid", str(job.uid), "--node", job.node,
             "--socket", str(socket_path)]
     return services.ServiceSpec(AGENT, argv, ready_path=socket_path)
+
+
+def proxy_devices(job: JobContext, config: Config) -> list[str]:
+    """The job's devices on this node: its GPUs, or `proxy.cpu_slots` CPU slots without GPUs."""
+    if job.gpus:
+        return [f"gpu{g}" for g in job.gpus]
+    return [f"cpu{i}" for i in range(config.proxy.cpu_slots)]
+
+
+def proxy_spec(job: JobContext, config: Config, run_dir: Path, device: str) -> services.ServiceSpec:
+    socket_path = run_dir / f"{PROXY}{device}.sock"
+    argv = [str(Path(sys.executable).with_name("singularity-proxy")), "--job-id", str(job.job_id),
+            "--uid", str(job.uid), "--id", f"{job.node}/{device}", "--socket", str(socket_path),
+            "--backend", config.proxy.backend]
+    return services.ServiceSpec(f"{PROXY}{device}", argv, ready_path=socket_path)
 
 
 def run(env: dict[str, str], ensure: bool = False) -> int:
@@ -51,7 +68,11 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, 0o755)
-        pids = {AGENT: services.start(agent_spec(job, run_dir), run_dir)}
+        specs = [agent_spec(job, run_dir)] + [proxy_spec(job, config, run_dir, device)
+                                              for device in proxy_devices(job, config)]
+        with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+            started = list(pool.map(lambda spec: services.start(spec, run_dir, ready_timeout=30), specs))
+        pids = {spec.name: pid for spec, pid in zip(specs, started, strict=True)}
     except (OSError, SingularityError) as exc:
         log.error("node cannot run the job: %s", exc)
         return 1

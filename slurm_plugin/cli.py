@@ -94,25 +94,39 @@ def status(config_path: Path | None, job_id: int | None, as_json: bool) -> None:
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--checkpoint-interval", type=float, envvar="SINGULARITY_CHECKPOINT_INTERVAL",
               help="Minutes between periodic checkpoints [default: the tier's setting].")
+@click.option("--world-size", type=click.IntRange(min=1), envvar="SINGULARITY_WORLD_SIZE",
+              help="Run COMMAND as N torch.distributed ranks over the job's devices (one per device "
+                   "by default), with collectives through the device proxies.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_obj
-def run(config_path: Path | None, checkpoint_interval: float | None, command: tuple[str, ...]) -> None:
+def run(config_path: Path | None, checkpoint_interval: float | None, world_size: int | None,
+        command: tuple[str, ...]) -> None:
     """Run COMMAND as a preemptible, migratable job step (use it in the batch script).
 
     \b
         #SBATCH --singularity-sla=basic
         singularityctl run -- python train.py --epochs 10
+    \b
+        #SBATCH --nodes=2 --gres=gpu:2
+        singularityctl run --world-size 4 -- python train_ddp.py
 
     On the first start COMMAND is started; after a requeue the last checkpoint is restored and
     COMMAND continues where it stopped. The preemption warning signal (SIGUSR2; SIGTERM as a
     fallback) checkpoints and requeues the job.
+
+    Without --world-size, COMMAND runs once per node of the job (RANK is the node's index). With
+    --world-size N it runs as N ranks with the environment torchrun gives (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the script's own init_process_group("gloo" or "nccl")
+    is routed through the job's device proxies, so the ranks hold no network connections and
+    every checkpoint is taken at a consistent cut of all of them. N stays the same for the job's
+    whole life, whatever devices it is restored on.
     """
     from .launcher import Launcher, LaunchError
 
     config = _load(config_path)
     try:
         launcher = Launcher(config, os.environ, checkpoint_interval_s=(
-            checkpoint_interval * 60 if checkpoint_interval else None))
+            checkpoint_interval * 60 if checkpoint_interval else None), world_size=world_size)
         sys.exit(launcher.run(list(command)))
     except LaunchError as exc:
         _fail(exc)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from singularity_slurm.config import Config
+from singularity_slurm.coordinator.placement import PlacementError, place
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
 from singularity_slurm.node.agent import request
@@ -78,6 +79,20 @@ def rank_environment(env: Mapping[str, str], info: JobInfo) -> dict[str, str]:
     return out
 
 
+def distributed_environment(env: Mapping[str, str], world_size: int) -> dict[str, str]:
+    """What the ranks of a `--world-size N` job get on top of `rank_environment`.
+
+    RANK, LOCAL_RANK and LOCAL_WORLD_SIZE are set per rank by the in-tree spawner. The sitecustomize
+    folder on PYTHONPATH installs the proxy backend into torch.distributed.
+    """
+    from singularity_slurm import interpose
+
+    hook = str(Path(interpose.__file__).parent / "pyhook")
+    path = env.get("PYTHONPATH")
+    return {"WORLD_SIZE": str(world_size), "SINGULARITY_PROXY": "1",
+            "PYTHONPATH": f"{hook}:{path}" if path else hook}
+
+
 def output_target(fd: int = 1) -> str | None:
     """The file the batch script's stdout goes to (the job's -o file), if it is a path."""
     try:
@@ -93,8 +108,11 @@ def mib(n: int | None) -> str:
 
 class Launcher:
     def __init__(self, config: Config, env: Mapping[str, str], say: Callable[[str], None] | None = None,
-                 checkpoint_interval_s: float | None = None, grace_s: float = 600.0):
+                 checkpoint_interval_s: float | None = None, grace_s: float = 600.0,
+                 world_size: int | None = None):
         self.config = config
+        self.world_size = world_size
+        self.attempt = 0
         self.env = dict(env)
         self.info = job_info(env, config)
         self.socket = job_run_dir(config.paths.state_dir, self.info.node, self.info.job_id) / "agent.sock"
@@ -166,24 +184,47 @@ class Launcher:
         threading.Thread(target=self._wait_for_tree, daemon=True).start()
         return self.loop()
 
+    def proxy_config(self) -> dict | None:
+        """The rendezvous of a distributed job's proxies for this start or restore, or None."""
+        if self.world_size is None:
+            return None
+        if self.info.multi_node:
+            devices = [r["proxies"] for r in self.fanout("devices", timeout=120)]
+        else:
+            devices = [self.agent({"op": "devices"})["proxies"]]
+        try:
+            placement = place(self.world_size, devices)
+        except PlacementError as exc:
+            raise LaunchError(f"--world-size {self.world_size}: {exc}") from exc
+        self.attempt += 1
+        return {"generation": f"{self.info.restart_count}.{self.attempt}",
+                "placement": {str(r): d for r, d in placement.items()}}
+
     def start(self, argv: list[str]) -> None:
         output = output_target() or str(Path.cwd() / f"singularity-{self.info.job_id}.out")
-        payload = {"argv": argv, "cwd": str(Path.cwd()), "output": output,
-                   "env": rank_environment(self.env, self.info)}
+        env = rank_environment(self.env, self.info)
+        payload: dict[str, Any] = {"cwd": str(Path.cwd()), "output": output}
+        proxy = self.proxy_config()
+        if proxy is not None:
+            env.update(distributed_environment(env, self.world_size or 1))
+            payload["proxy"] = proxy
+            argv = [sys.executable, "-m", "singularity_slurm.interpose.spawn", "--", *argv]
+        payload.update(argv=argv, env=env)
         if self.info.multi_node:
             self.fanout("start", payload, timeout=120)
             where = f" on {len(self.info.nodes)} nodes ({','.join(self.info.nodes)})"
         else:
             self.agent({"op": "start", **payload})
             where = ""
-        self.say(f"started {' '.join(argv)}{where} (tier {self.info.tier or 'unmanaged'})")
+        ranks = f", {self.world_size} ranks" if self.world_size else ""
+        self.say(f"started {' '.join(argv)}{where} (tier {self.info.tier or 'unmanaged'}{ranks})")
 
     def restore(self) -> bool:
         self.say(f"restart {self.info.restart_count}: restoring the last checkpoint")
         if self.info.multi_node:
             return self.restore_all_nodes()
         try:
-            reply = self.agent({"op": "restore"}, timeout=None)
+            reply = self.agent({"op": "restore", "proxy": self.proxy_config()}, timeout=None)
         except LaunchError as exc:
             if "no committed checkpoint" in str(exc):
                 self.say("no committed checkpoint: starting from the beginning")
@@ -205,7 +246,7 @@ class Launcher:
         common = sorted(set.intersection(*per_node), reverse=True)
         for generation in common:
             try:
-                replies = self.fanout("restore", {"generation": generation})
+                replies = self.fanout("restore", {"generation": generation, "proxy": self.proxy_config()})
             except LaunchError as exc:
                 self.say(f"multi-node checkpoint {generation} refused: {exc}")
                 try:
@@ -230,7 +271,8 @@ class Launcher:
             states = {r.get("state") for r in replies}
             status = max(int(r.get("exit_status") or 0) for r in replies)
             state = "dumped" if "dumped" in states else "killed" if "killed" in states else "exited"
-            self.events.put(("ended", {"state": state, "exit_status": status}))
+            lost = next((r["proxy_lost"] for r in replies if r.get("proxy_lost")), None)
+            self.events.put(("ended", {"state": state, "exit_status": status, "proxy_lost": lost}))
             return
         try:
             reply = request(self.socket, {"op": "wait"}, timeout=None)
@@ -246,7 +288,9 @@ class Launcher:
         generation = f"{self.info.restart_count}.{time.time_ns()}"
         replies = self.fanout("checkpoint", {"reason": reason, "stop": stop, "generation": generation},
                               timeout=timeout)
+        cuts = [r["cut_seconds"] for r in replies if r.get("cut_seconds") is not None]
         return {"seq": generation, "seconds": max(r["seconds"] for r in replies),
+                "cut_seconds": max(cuts) if cuts else None,
                 "logical_bytes": sum(r["logical_bytes"] for r in replies),
                 "new_bytes": sum(r["new_bytes"] for r in replies), "dedup_ratio": None}
 
@@ -292,6 +336,11 @@ class Launcher:
             return 0
         if state == "killed":
             return 137
+        if reply.get("proxy_lost"):
+            self.say(f"device proxy {reply['proxy_lost']} died; requeueing the job to resume from its last "
+                     "checkpoint")
+            self.agent({"op": "requeue"})
+            return 0
         if status >= 128:
             try:
                 if self.info.multi_node:
@@ -319,7 +368,9 @@ class Launcher:
 
     def describe(self, what: str, reply: dict) -> str:
         ratio = reply.get("dedup_ratio")
-        return (f"{what} {reply['seq']} committed in {reply['seconds']:.1f}s: "
+        cut = reply.get("cut_seconds")
+        return (f"{what} {reply['seq']} committed in {reply['seconds']:.1f}s"
+                + (f" (distributed cut in {cut:.2f}s)" if cut is not None else "") + ": "
                 f"{mib(reply['logical_bytes'])}, {mib(reply['new_bytes'])} stored"
                 + (f" (dedup {ratio:.1f}x)" if ratio else ""))
 

@@ -171,4 +171,7 @@ def render_singularity_config(layout: Layout) -> str:
         "[paths]",
         f'prefix = "{layout.prefix}"',
         "",
+        "[proxy]",
+        f"cut_timeout = {max(5, layout.grace_time // 2)}",
+        "",
     ])

@@ -76,12 +76,20 @@ class PathsConfig:
 
 
 @dataclass(frozen=True)
+class ProxyConfig:
+    backend: str = "host"  # device backend of the proxies: host (CPU memory) until the cuda one lands
+    cpu_slots: int = 1  # proxies on a node where the job has no GPU
+    cut_timeout: int = 60  # seconds a checkpoint waits for the distributed cut before giving up
+
+
+@dataclass(frozen=True)
 class Config:
     default_tier: str
     tiers: dict[str, TierConfig]
     preemption: PreemptionConfig
     redis: RedisConfig
     paths: PathsConfig
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
     source: Path | None = field(default=None, compare=False)
 
     def tier(self, name: str) -> TierConfig:
@@ -116,10 +124,13 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "paths.state_dir": ("/run/singularity-slurm", str, "node-local state (pid files, sockets)"),
     "paths.store_root": ("/var/lib/singularity-slurm/store", str, "shared checkpoint store"),
     "paths.prefix": ("/opt/singularity-slurm", str, "install prefix (venv, criu, SPANK plugin)"),
+    "proxy.backend": ("host", str, "device backend of the device proxies (host: CPU memory)"),
+    "proxy.cpu_slots": (1, int, "device proxies per node for a job without GPUs"),
+    "proxy.cut_timeout": (60, int, "seconds a checkpoint waits for the distributed cut; keep < warn_time"),
 }
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
-_SECTIONS = {"tiers", "preemption", "redis", "paths"}
+_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 
 
@@ -205,6 +216,18 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
             raise ConfigError(f"paths.{key} must be an absolute path, got {str(value)!r}")
         return value
 
+    proxy_raw = data.get("proxy", {})
+    _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout"}, "proxy")
+    proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "host"),
+                        cpu_slots=_take(proxy_raw, "cpu_slots", "proxy", int, 1),
+                        cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60))
+    if proxy.backend != "host":
+        raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: host")
+    if not 1 <= proxy.cpu_slots <= 256:
+        raise ConfigError(f"proxy.cpu_slots must be 1..256, got {proxy.cpu_slots}")
+    if not 1 <= proxy.cut_timeout <= 3600:
+        raise ConfigError(f"proxy.cut_timeout must be 1..3600 seconds, got {proxy.cut_timeout}")
+
     return Config(
         default_tier=default_tier,
         tiers=tiers,
@@ -218,6 +241,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         ),
         paths=PathsConfig(state_dir=path("state_dir"), store_root=path("store_root"),
                           prefix=path("prefix")),
+        proxy=proxy,
         source=source,
     )
 
