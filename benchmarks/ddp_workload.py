@@ -1,25 +1,28 @@
 """The DDP workload of benchmarks/proxy_vs_gloo.py: an unmodified torch.distributed script (CPU, gloo).
 
 Every rank trains a replica of an MLP (`--layers` Linear(hidden, hidden) + ReLU, then a Linear to 1
-output) with DistributedDataParallel on a fixed synthetic batch, one torch thread per rank. It runs
-`--warmup` steps, then waits at a barrier for the benchmark's go-ahead (the file `go` in `--sync-dir`;
-rank 0 first writes `warm` there, so the benchmark can take the proxies' statistics between the two),
-then times `--steps` steps. A step is zero_grad + forward + backward (DDP's gradient allreduce) +
-optimizer step, timed with time.perf_counter(). Each rank writes its step times, and what it ran on,
-to `--sync-dir/rank-R.json`.
+output) with DistributedDataParallel on a fixed synthetic batch, one torch thread per rank. A step is
+zero_grad + forward + backward (which includes DDP's gradient allreduce) + optimizer step; each part
+is timed with time.perf_counter().
 
-The script knows nothing of Singularity: under the benchmark's proxy mode the interposed
-sitecustomize turns `init_process_group("gloo")` into the proxy backend, and the JSON says which
-backend the process group really had (`dist.get_backend()`).
+Phases, each ended by a sync point (a barrier, then rank 0 writes NAME.ready in `--sync-dir` and every
+rank waits for the benchmark to write NAME.go, then a barrier; the benchmark reads the proxies'
+statistics in between, while no rank communicates):
 
-`--no-sync` keeps DDP from communicating gradients at all (`DistributedDataParallel.no_sync()`):
-the same computation without its allreduces, the benchmark's compute-only baseline.
+  `--warmup` steps                              sync point "warm"
+  `--steps` timed steps                         sync point "timed"
+  `--compute-steps` steps under DDP's no_sync() (the same computation, no gradient allreduce), each
+  between two barriers that are not timed: the compute-only baseline.
+
+Each rank then writes its times, and what it ran on, to `--sync-dir/rank-R.json`. The script knows
+nothing of Singularity: under the benchmark's proxy mode the interposed sitecustomize turns
+`init_process_group("gloo")` into the proxy backend, and the JSON says which backend the process
+group really had (`dist.get_backend()`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
@@ -30,26 +33,33 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 GO_TIMEOUT_S = 300.0
+POLL_S = 0.002
 
 
-def wait_for(path: Path, timeout: float = GO_TIMEOUT_S) -> None:
+def sync_point(folder: Path, name: str, rank: int, timeout: float = GO_TIMEOUT_S) -> None:
+    dist.barrier()
+    if rank == 0:
+        (folder / f"{name}.ready").touch()
+    go = folder / f"{name}.go"
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not go.exists():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path} within {timeout:.0f}s")
-        time.sleep(0.002)
+            raise TimeoutError(f"no {go} within {timeout:.0f}s")
+        time.sleep(POLL_S)
+    dist.barrier()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sync-dir", type=Path, required=True, help="go-ahead files and results")
+    parser.add_argument("--sync-dir", type=Path, required=True, help="sync-point files and results")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=100, help="timed steps")
+    parser.add_argument("--compute-steps", type=int, default=20,
+                        help="timed steps without gradient allreduce (DDP no_sync), after the others")
     parser.add_argument("--hidden", type=int, default=256, help="width of the MLP")
     parser.add_argument("--layers", type=int, default=3, help="hidden Linear layers")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
-    parser.add_argument("--no-sync", action="store_true", help="no gradient allreduce (compute only)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -66,43 +76,46 @@ def main() -> int:
     x = torch.randn(args.batch, args.hidden, generator=data)
     y = torch.randn(args.batch, 1, generator=data)
 
-    def step() -> float:
-        started = time.perf_counter()
+    def step() -> tuple[float, float, float, float]:
+        """(step, forward, backward, optimizer) seconds."""
+        t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        with ddp.no_sync() if args.no_sync else contextlib.nullcontext():
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         optimizer.step()
-        return time.perf_counter() - started
+        t3 = time.perf_counter()
+        return t3 - t0, t1 - t0, t2 - t1, t3 - t2
 
     for _ in range(args.warmup):
         step()
+    sync_point(args.sync_dir, "warm", rank)
+    started = time.perf_counter()
+    timed = [step() for _ in range(args.steps)]
+    loop_s = time.perf_counter() - started
+    sync_point(args.sync_dir, "timed", rank)
+    compute = []
+    with ddp.no_sync():
+        for _ in range(args.compute_steps):
+            dist.barrier()
+            compute.append(step())
     dist.barrier()
-    if rank == 0:
-        (args.sync_dir / "warm").touch()
-    wait_for(args.sync_dir / "go")
-    dist.barrier()
-    loop_started = time.perf_counter()
-    times = [step() for _ in range(args.steps)]
-    loop_s = time.perf_counter() - loop_started
-    dist.barrier()  # nobody leaves while others still time steps
 
     params = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(model(x), y).item()
     result = {"rank": rank, "world_size": world, "backend": str(dist.get_backend()), "pid": os.getpid(),
-              "hidden": args.hidden, "layers": args.layers, "batch": args.batch, "no_sync": args.no_sync,
-              "params": params, "grad_bytes": params * 4, "warmup": args.warmup, "step_s": times,
-              "loop_s": loop_s, "loss": float(loss_value(ddp, x, y))}
+              "hidden": args.hidden, "layers": args.layers, "batch": args.batch, "params": params,
+              "grad_bytes": params * 4, "warmup": args.warmup, "loop_s": loop_s, "loss": loss,
+              "step_s": [t[0] for t in timed], "forward_s": [t[1] for t in timed],
+              "backward_s": [t[2] for t in timed], "optimizer_s": [t[3] for t in timed],
+              "compute_step_s": [t[0] for t in compute], "compute_backward_s": [t[2] for t in compute]}
     tmp = args.sync_dir / f".rank-{rank}.json"
     tmp.write_text(json.dumps(result))
     tmp.rename(args.sync_dir / f"rank-{rank}.json")
     dist.destroy_process_group()
     return 0
-
-
-def loss_value(ddp: DistributedDataParallel, x: torch.Tensor, y: torch.Tensor) -> float:
-    """The loss at the end (a sanity check that training ran), computed without DDP's hooks."""
-    with torch.no_grad():
-        return torch.nn.functional.mse_loss(ddp.module(x), y).item()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error
   generations {rank}                     generations of this node's multi-node checkpoints
   status {}                              the tree's state and the last checkpoint
   devices {}                             the ids of this node's device proxies, in device order
+  next_command {timeout}                 (the launcher of a multi-node job) wait for an admin request
+                                         (migrate, launcher_checkpoint), which only the launcher can
+                                         carry out on every node; command_done {result} answers it
 
 A distributed job's start and restore carry `proxy: {generation, placement}` (rank -> proxy id):
 the agent configures its proxies for that rendezvous generation and starts this node's ranks. Its
@@ -35,6 +38,7 @@ import enum
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import socketserver
@@ -94,6 +98,9 @@ class AgentState:
         self.cut_timeout = cut_timeout
         self.proxies: dict[str, Path] = {}  # proxies serving ranks of the tree: id -> control socket
         self.proxy_lost: str | None = None
+        self.commands: queue.Queue[dict] = queue.Queue()
+        self.command_results: queue.Queue[dict] = queue.Queue()
+        self.launcher_polls_until = 0.0
         self.lock = threading.Condition()
         self.state = TreeState.NONE
         self.init_pid: int | None = None
@@ -340,6 +347,9 @@ class AgentState:
         exclude = request.get("exclude") or []
         if not isinstance(exclude, list) or not all(isinstance(n, str) and n for n in exclude):
             raise RequestError("migrate: exclude must be a list of node names")
+        if time.monotonic() < self.launcher_polls_until:
+            # A multi-node job: its launcher checkpoints every node and requeues.
+            return {**self._through_launcher({"op": "migrate", "exclude": exclude}), "exclude": exclude}
         summary = self.op_checkpoint({"reason": "migrate", "stop": True})
         # The requeue ends every step of the job, the caller's included: answer first.
         timer = threading.Timer(0.5, self._requeue_quietly, args=(exclude,))
@@ -352,6 +362,38 @@ class AgentState:
             self._need_engine().requeue(self.job_id, exclude)
         except Exception:
             LOG.exception("job %s: requeue after migration checkpoint failed", self.job_id)
+
+    def _through_launcher(self, command: dict) -> dict:
+        """Hand a request to the launcher of a multi-node job and wait for its outcome."""
+        if time.monotonic() >= self.launcher_polls_until:
+            raise RequestError(f"job {self.job_id} has no launcher waiting for requests on {self.node} "
+                               "(not a multi-node `singularityctl run` job, or it is starting or ending)")
+        self.commands.put(command)
+        try:
+            result = self.command_results.get(timeout=900)
+        except queue.Empty:
+            raise RequestError(f"the job's launcher did not carry out {command['op']}") from None
+        if not result.get("ok"):
+            raise RequestError(f"{command['op']} failed: {result.get('error')}")
+        return dict(result.get("summary") or {})
+
+    def op_launcher_checkpoint(self, request: dict) -> dict:
+        return self._through_launcher({"op": "checkpoint"})
+
+    def op_next_command(self, request: dict) -> dict:
+        timeout = min(max(float(request.get("timeout") or 30), 0.1), 120)
+        self.launcher_polls_until = time.monotonic() + timeout + 15
+        try:
+            return {"command": self.commands.get(timeout=timeout)}
+        except queue.Empty:
+            return {"command": None}
+
+    def op_command_done(self, request: dict) -> dict:
+        result = request.get("result")
+        if not isinstance(result, dict):
+            raise RequestError("command_done needs result: an object")
+        self.command_results.put(result)
+        return {}
 
     def op_generations(self, request: dict) -> dict:
         engine = self._need_engine()

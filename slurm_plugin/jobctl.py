@@ -43,9 +43,6 @@ def check_target(record: dict[str, str] | None, job_id: int, caller_uid: int, co
     if config.tier_of_partition(record.get("Partition")) is None:
         raise JobControlError(f"job {job_id} runs in partition {record.get('Partition')}, which belongs to "
                               "no SLA tier: Singularity does not manage it")
-    if len(expand_hostlist(record.get("NodeList", ""))) > 1:
-        raise JobControlError(f"job {job_id} spans several nodes: `{action}` handles single-node jobs for "
-                              "now; a preemption (SIGUSR2 to the batch shell) checkpoints every node")
     if not record.get("BatchHost"):
         raise JobControlError(f"job {job_id} has no batch host yet; try again in a moment")
     return record
@@ -87,7 +84,11 @@ class JobControl:
 
     def checkpoint(self, job_id: int) -> dict[str, Any]:
         record = check_target(self.slurm.job(job_id), job_id, self.caller_uid, self.config, "checkpoint")
-        self.say(f"checkpointing job {job_id} on {record['BatchHost']} (it keeps running)...")
+        nodes = expand_hostlist(record.get("NodeList", ""))
+        where = ",".join(nodes) or record["BatchHost"]
+        self.say(f"checkpointing job {job_id} on {where} (it keeps running)...")
+        if len(nodes) > 1:  # only the job's launcher can checkpoint every node
+            return self._call(record, "launcher_checkpoint", {})
         return self._call(record, "checkpoint", {"reason": "manual", "stop": False})
 
     def migrate(self, job_id: int, exclude: list[str] | None, wait: float = 180.0) -> dict[str, Any]:

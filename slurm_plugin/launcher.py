@@ -182,7 +182,20 @@ class Launcher:
         if not restored:
             self.start(argv)
         threading.Thread(target=self._wait_for_tree, daemon=True).start()
+        if self.info.multi_node:
+            threading.Thread(target=self._poll_commands, daemon=True).start()
         return self.loop()
+
+    def _poll_commands(self) -> None:
+        """Admin requests that need every node (a migration) reach the batch host's agent; fetch them."""
+        while True:
+            try:
+                reply = request(self.socket, {"op": "next_command", "timeout": 30}, timeout=60)
+            except (OSError, ValueError):
+                time.sleep(5)
+                continue
+            if reply.get("ok") and reply.get("command"):
+                self.events.put(("command", reply["command"]))
 
     def proxy_config(self) -> dict | None:
         """The rendezvous of a distributed job's proxies for this start or restore, or None."""
@@ -314,6 +327,10 @@ class Launcher:
                 return 1
             if kind == "ended":
                 return self.ended(value)
+            if kind == "command" and value.get("op") == "migrate":
+                return self.migrate(list(value.get("exclude") or []))
+            if kind == "command" and value.get("op") == "checkpoint":
+                self.manual_checkpoint()
 
     def being_preempted(self) -> bool:
         """Whether a SIGTERM is Slurm preempting the job (it records PreemptTime), not `scancel`.
@@ -373,6 +390,37 @@ class Launcher:
                 + (f" (distributed cut in {cut:.2f}s)" if cut is not None else "") + ": "
                 f"{mib(reply['logical_bytes'])}, {mib(reply['new_bytes'])} stored"
                 + (f" (dedup {ratio:.1f}x)" if ratio else ""))
+
+    def manual_checkpoint(self) -> None:
+        try:
+            reply = self.checkpoint("manual", stop=False, timeout=None)
+        except LaunchError as exc:
+            self.say(f"requested checkpoint failed, the job continues: {exc}")
+            self.agent({"op": "command_done", "result": {"ok": False, "error": str(exc)}})
+            return
+        self.say(self.describe("requested checkpoint", reply))
+        self.agent({"op": "command_done", "result": {"ok": True, "summary": reply}})
+
+    def migrate(self, exclude: list[str]) -> int:
+        """Checkpoint every node (the trees stop), then requeue away from `exclude`."""
+        self.say(f"migration requested (away from {','.join(exclude) or 'nothing'}): checkpointing")
+        try:
+            reply = self.checkpoint("migrate", stop=True, timeout=self.grace_s)
+        except LaunchError as exc:
+            self.agent({"op": "command_done", "result": {"ok": False, "error": str(exc)}})
+            self.say(f"migration checkpoint failed: {exc}; the job resumes from its last good checkpoint")
+            try:
+                self.fanout("kill", timeout=60)
+            except LaunchError:
+                pass
+            self.agent({"op": "requeue"})
+            return 0
+        self.say(self.describe("checkpoint", reply))
+        self.agent({"op": "command_done", "result": {"ok": True, "summary": reply}})
+        time.sleep(1.0)  # the requeue ends the caller's step: let it print its answer first
+        self.agent({"op": "requeue", "exclude": exclude})
+        self.say(f"requeued away from {','.join(exclude)}")
+        return 0
 
     def preempt(self, signame: str) -> int:
         self.say(f"preemption warning ({signame}): checkpointing")

@@ -120,15 +120,30 @@ def _ctld_ok() -> bool:
     return proc.returncode == 0 and "UP" in proc.stdout
 
 
+SPARE_REASON = "spare node of the dev cluster (tests resume it)"
+
+
 def _nodes_ready(slurm: SlurmClient, layout: Layout) -> bool:
     nodes = slurm.nodes()
+    ready = True
     for name in layout.nodes:
         state = nodes.get(name, {}).get("State", "UNKNOWN")
+        if name in layout.spare_nodes:
+            if "DOWN" in state and "DRAIN" not in state:
+                slurm.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], check=False)
+                ready = False
+            elif "DRAIN" not in state:
+                slurm.run(["scontrol", "update", f"NodeName={name}", "State=DRAIN",
+                           f"Reason={SPARE_REASON}"], check=False)
+                ready = False
+            elif any(bad in state for bad in ("FAIL", "NOT_RESPONDING", "UNKNOWN")):
+                ready = False
+            continue
         if any(bad in state for bad in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN")):
             if "DOWN" in state or "DRAIN" in state:
                 slurm.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], check=False)
-            return False
-    return True
+            ready = False
+    return ready
 
 
 def up(layout: Layout | None = None, say: Say = print) -> Report:
@@ -167,7 +182,8 @@ def up(layout: Layout | None = None, say: Say = print) -> Report:
     slurm = SlurmClient()
     daemons.wait_for(lambda: _nodes_ready(slurm, layout), "nodes to become available", 60)
     check_job_user_python(layout)
-    say(f"dev cluster up: nodes {', '.join(layout.nodes)}; started {report.started or 'nothing'}"
+    spare = f" (spare, drained: {', '.join(layout.spare_nodes)})" if layout.spare_nodes else ""
+    say(f"dev cluster up: nodes {', '.join(layout.nodes)}{spare}; started {report.started or 'nothing'}"
         + (f"; restarted {report.restarted}" if report.restarted else ""))
     return report
 

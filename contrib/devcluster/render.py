@@ -19,7 +19,10 @@ class Layout:
     """Where the dev cluster keeps things; tests may point it elsewhere."""
 
     hostname: str
-    nodes: tuple[str, ...] = ("n1", "n2")
+    nodes: tuple[str, ...] = ("n1", "n2", "n3")
+    # Drained at `up`: a node for tests that move a job that fills the other nodes (a two-node
+    # migration). Tests resume it while they need it; ordinary jobs never land there.
+    spare_nodes: tuple[str, ...] = ("n3",)
     slurm_etc: Path = Path("/etc/slurm")
     singularity_etc: Path = Path("/etc/singularity-slurm")
     prefix: Path = Path("/opt/singularity-slurm")

@@ -1,0 +1,229 @@
+"""Distributed jobs (issue: device proxy and transparent collective interception), on the dev cluster.
+
+Unmodified torch.distributed scripts run as `singularityctl run --world-size N` with real Slurm,
+CRIU, Redis and PyTorch. Every rank's log must be byte-identical to an undisturbed run: the reference
+run goes through the same proxy code (in this process, no Slurm, no checkpoint), since the proxies'
+fixed reduction order is what makes the numbers independent of placement and of interruptions.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import CTL
+
+from singularity_slurm import interpose
+from singularity_slurm.devcluster.cluster import SPARE_REASON
+from singularity_slurm.jobenv import job_run_dir
+from singularity_slurm.node import services
+from singularity_slurm.proxy.daemon import Proxy
+from singularity_slurm.proxy.hal import HostBackend
+from singularity_slurm.proxy.rendezvous import MemoryRendezvous
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+PYTHON = str(Path(CTL).with_name("python"))
+HOOK = str(Path(interpose.__file__).parent / "pyhook")
+
+URGENT = """#!/bin/bash
+#SBATCH --singularity-sla=premium
+#SBATCH --gres=gpu:4
+#SBATCH -o urgent-%j.out
+sleep 2
+"""
+
+
+def reference_logs(tmp: Path, script: str, args: list[str], world: int, per_proxy: int) -> dict[int, str]:
+    """Every rank's log of an undisturbed run through in-process proxies."""
+    job = random.randint(10**8, 10**9)
+    rendezvous = MemoryRendezvous()
+    placement = {r: f"ref/{r // per_proxy}" for r in range(world)}
+    proxies = [Proxy(job, os.getuid(), proxy, HostBackend(), lambda: rendezvous)
+               for proxy in sorted(set(placement.values()))]
+    for proxy in proxies:
+        proxy.configure("1", placement)
+    log_dir = tmp / "reference"
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, SINGULARITY_PROXY="1", PYTHONPATH=HOOK, SINGULARITY_JOB_ID=str(job),
+                   RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT="1")
+        procs.append(subprocess.Popen([PYTHON, str(EXAMPLES / script), *args, "--log-dir", str(log_dir)],
+                                      env=env))
+    try:
+        assert [p.wait(timeout=300) for p in procs] == [0] * world
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proxy in proxies:
+            proxy._teardown()
+    return {rank: (log_dir / f"{rank}.log").read_text() for rank in range(world)}
+
+
+def copy_example(jobs, name: str) -> None:
+    shutil.copy(EXAMPLES / name, jobs.workdir)
+    shutil.chown(jobs.workdir / name, jobs.user)
+
+
+def job_script(sla: str, directives: str, world: int, command: str, options: str = "") -> str:
+    return (f"#!/bin/bash\n#SBATCH --singularity-sla={sla}\n{directives}\n#SBATCH -o job.out\n"
+            f"exec {CTL} run --world-size {world} {options} -- {PYTHON} {command} --log-dir logs\n")
+
+
+def logged_steps(jobs, world: int) -> int:
+    counts = []
+    for rank in range(world):
+        path = jobs.workdir / "logs" / f"{rank}.log"
+        counts.append(len(path.read_text().splitlines()) if path.exists() else 0)
+    return min(counts)
+
+
+def wait_for_steps(jobs, job_id: int, world: int, steps: int, timeout: float = 180) -> None:
+    jobs.wait(job_id, lambda r: logged_steps(jobs, world) >= steps, f"{steps} steps on every rank",
+              timeout=timeout)
+
+
+def wait_for_text(jobs, job_id: int, text: str, count: int = 1, timeout: float = 240) -> None:
+    out = jobs.workdir / "job.out"
+    jobs.wait(job_id, lambda r: out.exists() and out.read_text().count(text) >= count,
+              f"{text!r} x{count} in job.out", timeout=timeout)
+
+
+def worker_pids(pattern: str) -> list[int]:
+    proc = subprocess.run(["pgrep", "-u", "jobuser", "-f", pattern], capture_output=True, text=True)
+    return [int(p) for p in proc.stdout.split()]
+
+
+def tcp_inodes() -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            inodes.add(line.split()[9])
+    return inodes
+
+
+def socket_inodes(pid: int) -> set[str]:
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target[8:-1])
+    return found
+
+
+def preempt(jobs, node: str) -> int:
+    return jobs.submit(jobs.script(f"urgent-{node}.sh", URGENT), f"--nodelist={node}")
+
+
+def resume_spare(slurm, node: str, on: bool) -> None:
+    state = ["State=RESUME"] if on else ["State=DRAIN", f"Reason={SPARE_REASON}"]
+    subprocess.run(["scontrol", "update", f"NodeName={node}", *state], check=True, timeout=30)
+
+
+DDP_STEPS = 60
+DDP_ARGS = ["--steps", str(DDP_STEPS), "--hidden", "64"]
+
+
+def test_ddp_on_two_nodes_survives_two_preemptions_and_a_migration_byte_identical(jobs, slurm, tmp_path):
+    reference = reference_logs(tmp_path, "train_ddp.py", DDP_ARGS, world=4, per_proxy=2)
+    copy_example(jobs, "train_ddp.py")
+    job_id = jobs.submit(jobs.script("ddp.sh", job_script(
+        "basic", "#SBATCH --nodes=2 --gres=gpu:2", 4,
+        f"train_ddp.py {' '.join(DDP_ARGS)} --sleep 0.25")))
+    wait_for_steps(jobs, job_id, 4, 8)
+
+    # While training, the ranks hold no TCP socket: only their unix socket to the local proxy.
+    pids = worker_pids(f"^{PYTHON} train_ddp.py")
+    assert len(pids) == 4
+    tcp = tcp_inodes()
+    assert all(not (socket_inodes(pid) & tcp) for pid in pids)
+    assert all(len(socket_inodes(pid)) <= 1 for pid in pids)
+
+    jobs.wait_state(preempt(jobs, "n1"), "COMPLETED", timeout=240)
+    wait_for_text(jobs, job_id, "restored multi-node checkpoint", 1)
+    wait_for_steps(jobs, job_id, 4, logged_steps(jobs, 4) + 5)
+
+    jobs.wait_state(preempt(jobs, "n2"), "COMPLETED", timeout=240)
+    wait_for_text(jobs, job_id, "restored multi-node checkpoint", 2)
+    wait_for_steps(jobs, job_id, 4, logged_steps(jobs, 4) + 5)
+
+    resume_spare(slurm, "n3", True)
+    try:
+        proc = subprocess.run(["runuser", "-u", jobs.user, "--", CTL, "migrate", str(job_id),
+                               "--exclude", "n1"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        wait_for_text(jobs, job_id, "restored multi-node checkpoint", 3)
+        record = jobs.wait_state(job_id, "COMPLETED", timeout=300)
+    finally:
+        resume_spare(slurm, "n3", False)
+    assert "n1" not in record.get("NodeList", "")
+
+    text = (jobs.workdir / "job.out").read_text()
+    assert text.count("preemption warning") == 2
+    assert "migration requested (away from n1)" in text
+    assert "distributed cut in" in text
+    for rank in range(4):
+        assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
+
+
+def test_slow_rank_zero_still_reaches_a_consistent_cut(jobs, tmp_path):
+    args = ["--steps", "40", "--slow-rank", "0", "--slow-sleep", "0.4"]
+    reference = reference_logs(tmp_path, "train_ddp.py", args, world=4, per_proxy=4)
+    copy_example(jobs, "train_ddp.py")
+    job_id = jobs.submit(jobs.script("slow.sh", job_script(
+        "basic", "#SBATCH --gres=gpu:4", 4, f"train_ddp.py {' '.join(args)}")))
+    wait_for_steps(jobs, job_id, 4, 10)
+    node = jobs.record(job_id)["NodeList"]
+    jobs.wait_state(preempt(jobs, node), "COMPLETED", timeout=240)
+    wait_for_text(jobs, job_id, "restored checkpoint")
+    jobs.wait_state(job_id, "COMPLETED", timeout=240)
+    assert "distributed cut in" in (jobs.workdir / "job.out").read_text()
+    for rank in range(4):
+        assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
+
+
+def test_two_stage_pipeline_with_send_recv_survives_checkpoint_and_restore(jobs, tmp_path):
+    args = ["--steps", "50"]
+    reference = reference_logs(tmp_path, "train_pipeline.py", args, world=2, per_proxy=1)
+    copy_example(jobs, "train_pipeline.py")
+    job_id = jobs.submit(jobs.script("pipe.sh", job_script(
+        "basic", "#SBATCH --nodes=2 --gres=gpu:1", 2, f"train_pipeline.py {' '.join(args)} --sleep 0.3")))
+    wait_for_steps(jobs, job_id, 2, 8)
+    jobs.wait_state(preempt(jobs, "n2"), "COMPLETED", timeout=240)
+    wait_for_text(jobs, job_id, "restored multi-node checkpoint")
+    jobs.wait_state(job_id, "COMPLETED", timeout=240)
+    for rank in range(2):
+        assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
+
+
+def test_a_killed_proxy_requeues_the_job_from_its_last_checkpoint(jobs, config):
+    copy_example(jobs, "train_ddp.py")
+    job_id = jobs.submit(jobs.script("kill.sh", job_script(
+        "basic", "#SBATCH --gres=gpu:2", 2, "train_ddp.py --steps 400 --sleep 0.1",
+        options="--checkpoint-interval 0.1")))
+    wait_for_text(jobs, job_id, "periodic checkpoint", 1, timeout=180)
+    node = jobs.record(job_id)["NodeList"]
+    run_dir = job_run_dir(config.paths.state_dir, node, job_id)
+    name = sorted(p.stem for p in run_dir.glob("proxy-*.pid"))[0]
+    pid = services.running_pid(run_dir, name)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+    wait_for_text(jobs, job_id, "died; requeueing the job")
+    wait_for_text(jobs, job_id, "restored checkpoint")
+    record = jobs.wait_state(job_id, "COMPLETED", timeout=400)
+    assert record["Restarts"] == "1"
+    for rank in range(2):
+        lines = (jobs.workdir / "logs" / f"{rank}.log").read_text().splitlines()
+        assert lines[-1].startswith("399 ")
