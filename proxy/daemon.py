@@ -110,6 +110,7 @@ class Proxy:
         self.round: barrier.Round | None = None
         self.cut_started: float | None = None
         self.stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.stopping = False  # once set, a peer going away is the job ending, not a failure
 
     def log(self, message: str, *args) -> None:
         LOG.info("job %s proxy %s gen %s: " + message, self.job_id, self.id, self.generation, *args)
@@ -504,7 +505,14 @@ class Proxy:
         elif kind == "abort":
             self._resume(aborted=True)
 
+    def close(self) -> None:
+        """Stop serving (the job ends): peers that go away from now on are not a failure."""
+        self.stopping = True
+        self._teardown()
+
     def _on_lost(self, peer: str, why: str) -> None:
+        if self.stopping:
+            return
         self.log("lost proxy %s (%s): exiting so the node agent requeues the job", peer, why)
         logging.shutdown()
         os._exit(3)
@@ -668,14 +676,19 @@ def main(argv: list[str] | None = None) -> int:
     proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous, advertise_host=advertise)
     server = serve_control(proxy, args.socket)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda s, f: stop.set())
-    signal.signal(signal.SIGINT, lambda s, f: stop.set())
+
+    def on_signal(signum, frame):
+        proxy.stopping = True  # the other nodes' proxies are being stopped too
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     print(f"device proxy {args.id} for job {args.job_id} ({args.backend}) listening on {args.socket}",
           flush=True)
     stop.wait()
     server.close()
     args.socket.unlink(missing_ok=True)
-    proxy._teardown()
+    proxy.close()
     print(f"device proxy {args.id} for job {args.job_id} stopped", flush=True)
     return 0
 

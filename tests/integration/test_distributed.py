@@ -64,7 +64,9 @@ def reference_logs(tmp: Path, script: str, args: list[str], world: int, per_prox
             if proc.poll() is None:
                 proc.kill()
         for proxy in proxies:
-            proxy._teardown()
+            proxy.stopping = True
+        for proxy in proxies:
+            proxy.close()
     return {rank: (log_dir / f"{rank}.log").read_text() for rank in range(world)}
 
 
