@@ -26,9 +26,10 @@ def _status(expect_rc: int = 0) -> dict:
 
 def _healthy(status: dict) -> bool:
     return (all(d["running"] for d in status["daemons"].values())
-            and sorted(status["nodes"]) == ["n1", "n2"]
+            and sorted(status["nodes"]) == ["n1", "n2", "n3"]
             and all(n["state"] in {"IDLE", "MIXED", "ALLOCATED"}
-                    for n in status["nodes"].values()))
+                    for name, n in status["nodes"].items() if name != "n3")
+            and "DRAIN" in status["nodes"]["n3"]["state"])
 
 
 def test_up_twice_changes_nothing_and_keeps_the_cluster_healthy():
@@ -64,7 +65,7 @@ def test_up_after_a_daemon_died_restarts_only_that_daemon(layout):
 
 def test_status_lists_every_daemon_node_and_tier_partition():
     status = _status()
-    assert set(status["daemons"]) == {"munged", "redis", "slurmctld", "slurmd n1", "slurmd n2"}
+    assert set(status["daemons"]) == {"munged", "redis", "slurmctld", "slurmd n1", "slurmd n2", "slurmd n3"}
     assert set(status["partitions"]) == {"premium", "standard", "basic"}
     for part in status["partitions"].values():
         assert part["preempt_mode"] == "REQUEUE"

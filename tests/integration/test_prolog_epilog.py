@@ -45,7 +45,10 @@ def test_prolog_starts_the_agent_and_records_the_node_and_epilog_cleans_up(
     assert stored["tier"] == "standard"
     assert list(stored["nodes"]) == [node]
     assert len(stored["nodes"][node]["gpus"]) == 3
-    assert stored["nodes"][node]["services"] == {"agent": agent_pid}
+    proxies = {f"proxy-gpu{g}": services.running_pid(run_dir, f"proxy-gpu{g}")
+               for g in stored["nodes"][node]["gpus"]}
+    assert stored["nodes"][node]["services"] == {"agent": agent_pid, **proxies}
+    assert all(proxies.values())  # one device proxy per allocated GPU
 
     reply = _ping_as(job_user.pw_name, run_dir / "agent.sock")
     assert reply == {"ok": True, "job_id": job_id, "node": node, "pid": agent_pid}
@@ -60,6 +63,7 @@ def test_prolog_starts_the_agent_and_records_the_node_and_epilog_cleans_up(
         time.sleep(0.2)
     assert not run_dir.exists()
     assert services.proc_start_time(agent_pid) is None
+    assert all(services.proc_start_time(pid) is None for pid in proxies.values())
     ended = registry.job(job_id)
     assert ended["state"] == "ended"
     assert ended["nodes"] == {}

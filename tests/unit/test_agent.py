@@ -63,7 +63,8 @@ def test_other_user_is_refused_before_the_op_is_looked_at() -> None:
     }
 
 
-VALID_OPS = "checkpoint, generations, kill, latest, migrate, ping, requeue, restore, start, status, wait"
+VALID_OPS = ("checkpoint, command_done, devices, generations, kill, latest, launcher_checkpoint, migrate, "
+             "next_command, ping, requeue, restore, start, status, wait")
 
 
 @pytest.mark.parametrize(("request_", "shown"), [

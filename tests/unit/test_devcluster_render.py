@@ -100,7 +100,7 @@ def test_one_requeue_partition_per_tier_with_grace_time() -> None:
         ("standard", "20", "REQUEUE", "30", "NO"),
         ("basic", "10", "REQUEUE", "30", "YES"),
     ]
-    assert {p["Nodes"] for p in partitions} == {"n1,n2"}
+    assert {p["Nodes"] for p in partitions} == {"n1,n2,n3"}
 
 
 def test_partitions_follow_the_configuration() -> None:
@@ -127,14 +127,16 @@ def test_prolog_and_epilog_are_the_venv_entry_points_under_the_prefix() -> None:
     assert conf["Epilog"] == "/srv/sing/venv/bin/singularity-epilog"
 
 
-def test_two_nodes_on_one_host_with_distinct_ports_and_gpus() -> None:
+def test_three_nodes_on_one_host_with_distinct_ports_and_gpus() -> None:
     nodes = records(render_slurm_conf(LAYOUT, CONFIG, V2205), "NodeName")
 
     assert [(n["NodeName"], n["NodeHostname"], n["NodeAddr"], n["Port"], n["Gres"])
             for n in nodes] == [
         ("n1", "devhost", "127.0.0.1", "6819", "gpu:4"),
         ("n2", "devhost", "127.0.0.1", "6820", "gpu:4"),
+        ("n3", "devhost", "127.0.0.1", "6821", "gpu:4"),
     ]
+    assert LAYOUT.spare_nodes == ("n3",)  # drained at `up`: only tests that resume it use it
 
 
 def test_node_ports_count_up_from_the_base_port() -> None:
@@ -168,6 +170,7 @@ def test_gres_conf_turns_autodetect_off_and_lists_each_nodes_devices() -> None:
         "AutoDetect=off",
         "NodeName=n1 Name=gpu File=/dev/singularity-fakegpu/n1/nvidia[0-3]",
         "NodeName=n2 Name=gpu File=/dev/singularity-fakegpu/n2/nvidia[0-3]",
+        "NodeName=n3 Name=gpu File=/dev/singularity-fakegpu/n3/nvidia[0-3]",
     ]
 
 
