@@ -642,8 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                                   placement(settings.world_size, settings.proxies).items()),
             "layers": settings.layers, "batch": settings.batch, "steps": settings.steps,
             "warmup": settings.warmup, "compute-only steps": settings.compute_steps,
-            "rounds": settings.rounds,
-            "bucket MB": settings.bucket_mb, "load before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+            "rounds": settings.rounds, "bucket MB": settings.bucket_mb,
+            "load average before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     runner = Runner(settings, workdir, _say)
     signal.signal(signal.SIGTERM, _interrupted)
     runs: list[Run] = []
@@ -668,7 +668,6 @@ def main(argv: list[str] | None = None) -> int:
         failed = True
     finally:
         runner.stop_all()
-    meta["load after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     meta["took"] = f"{time.monotonic() - started:.0f}s"
     if not runs:
         _say(f"nothing measured; logs in {workdir}")

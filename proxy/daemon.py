@@ -110,6 +110,7 @@ class Proxy:
         self.round: barrier.Round | None = None
         self.cut_started: float | None = None
         self.stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.stats_lock = threading.Lock()
         self.stopping = False  # once set, a peer going away is the job ending, not a failure
 
     def log(self, message: str, *args) -> None:
@@ -340,9 +341,7 @@ class Proxy:
             with self.cond:
                 if self.states.get(rank) == RankState.BUSY:
                     self.states[rank] = RankState.IDLE
-            stats = self.stats[message["op"]]
-            stats["count"] += 1
-            stats["seconds"] += time.monotonic() - started
+            self._count(message["op"], count=1, seconds=time.monotonic() - started)
         return {"ok": True}
 
     def _execute(self, session: Session, message: dict, channel: str, seq: int, group_rank: int) -> None:
@@ -363,7 +362,7 @@ class Proxy:
             if last:
                 del self.pending[key]
         if last:
-            self.stats[op]["skew_seconds"] += time.monotonic() - pending.first_at
+            self._count(op, skew_seconds=time.monotonic() - pending.first_at)
             try:
                 self._collective(group, f"{channel}:{seq}", pending)
             except (BackendError, ProxyError, ValueError) as exc:
@@ -388,7 +387,7 @@ class Proxy:
         if op == "barrier":
             collectives.allgather(self.mesh, group, tag, {g: np.empty(0, np.uint8) for g in entries},
                                   np.dtype(np.uint8))
-            self.stats[op]["exchange_seconds"] += time.monotonic() - started
+            self._count(op, exchange_seconds=time.monotonic() - started)
             return
         dtype, count = str(first["dtype"]), int(first["count"])
         inputs = {g: self._region(s).array(dtype, count) for g, (s, _) in entries.items()}
@@ -409,8 +408,7 @@ class Proxy:
             result = collectives.allreduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]))
             k = count // size
             outputs = {g: result[g * k:(g + 1) * k] for g in entries}
-        self.stats[op]["exchange_seconds"] += time.monotonic() - started
-        self.stats[op]["bytes"] += inputs[next(iter(inputs))].nbytes
+        self._count(op, exchange_seconds=time.monotonic() - started, bytes=inputs[next(iter(inputs))].nbytes)
         for g, data in outputs.items():
             session = entries[g][0]
             self._region(session).array(dtype, data.size)[:] = data
@@ -431,6 +429,11 @@ class Proxy:
             if data.size != count:
                 raise ProxyError(f"recv of {count} elements got a message of {data.size}")
             region.array(dtype, count)[:] = data
+
+    def _count(self, op: str, **values: float) -> None:
+        with self.stats_lock:
+            for key, value in values.items():
+                self.stats[op][key] += value
 
     @staticmethod
     def _region(session: Session) -> Region:
@@ -566,7 +569,8 @@ class Proxy:
                     "leader": self.leader, "mesh_error": self.mesh_error}
 
     def stats_report(self) -> dict:
-        report = {op: dict(values) for op, values in self.stats.items()}
+        with self.stats_lock:
+            report = {op: dict(values) for op, values in self.stats.items()}
         if self.mesh is not None:
             report["mesh"] = {"bytes_sent": self.mesh.bytes_sent}
         return report
@@ -659,9 +663,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
 
-    from singularity_slurm.config import load
-    from singularity_slurm.coordinator.registry import connect
-
     from .rendezvous import FileRendezvous, RedisRendezvous
 
     advertise = args.advertise or _host_address()
@@ -669,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         def rendezvous():
             return FileRendezvous(str(args.rendezvous_dir / str(args.job_id)))
     else:
+        from singularity_slurm.config import load
+        from singularity_slurm.coordinator.registry import connect
+
         config = load()
 
         def rendezvous():
