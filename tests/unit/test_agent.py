@@ -10,9 +10,11 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -301,3 +303,260 @@ def test_idle_client_does_not_keep_the_agent_from_stopping(start_agent, socket_d
 
     assert proc.returncode == 0
     assert not (socket_dir / "agent.sock").exists()
+
+
+# --- device proxies -------------------------------------------------------------------------------
+
+
+def test_devices_lists_the_proxies_by_device_number(tmp_path: Path) -> None:
+    for name in ("proxy-gpu10.sock", "proxy-gpu2.sock", "proxy-gpu0.sock", "agent.sock", "proxy-gpu1.pid"):
+        (tmp_path / name).touch()
+    state = AgentState(job_id=7, job_uid=JOB_UID, node="n9", run_dir=tmp_path)
+
+    assert state.handle({"op": "devices"}, JOB_UID) == {
+        "ok": True, "node": "n9", "proxies": ["n9/gpu0", "n9/gpu2", "n9/gpu10"]}
+
+
+def test_devices_of_a_node_without_proxies_is_empty(tmp_path: Path) -> None:
+    assert AgentState(7, JOB_UID, "n9", run_dir=tmp_path).op_devices({}) == {"node": "n9", "proxies": []}
+    assert AgentState(7, JOB_UID, "n9").op_devices({}) == {"node": "n9", "proxies": []}
+
+
+class RecordingEngine:
+    """Records what the agent asks of it; its tree is a plain `sleep`."""
+
+    def __init__(self) -> None:
+        self.ranks: list[object] = []
+        self.requests: list[dict] = []
+        self.trees: list[subprocess.Popen] = []
+
+    def use_rank(self, rank: object) -> None:
+        self.ranks.append(rank)
+
+    def tree_spec(self, request: dict, uid: int) -> SimpleNamespace:
+        self.requests.append(request)
+        return SimpleNamespace(argv=request["argv"])
+
+    def start(self, spec: SimpleNamespace) -> tuple[int, Callable[[], int]]:
+        tree = subprocess.Popen(["sleep", "60"])
+        self.trees.append(tree)
+        return tree.pid, tree.wait
+
+    def restore(self, job_id: int, uid: int, generation: str | None = None) -> dict:
+        raise AssertionError("restore must not be reached")
+
+
+START = {"op": "start", "argv": ["python", "train.py"], "cwd": "/tmp", "output": "/tmp/out",
+         "env": {"A": "1"}}
+NEEDS = "proxy: needs {generation: string, placement: {rank: proxy id}}"
+BAD_PLACEMENT = "proxy.placement must map rank numbers to proxy ids"
+
+
+@pytest.mark.parametrize(("proxy", "error"), [
+    ("g1", NEEDS),
+    ({"placement": {"0": "n9/gpu0"}}, NEEDS),
+    ({"generation": 1, "placement": {"0": "n9/gpu0"}}, NEEDS),
+    ({"generation": "g1"}, BAD_PLACEMENT),
+    ({"generation": "g1", "placement": [["0", "n9/gpu0"]]}, BAD_PLACEMENT),
+    ({"generation": "g1", "placement": {"zero": "n9/gpu0"}}, BAD_PLACEMENT),
+    ({"generation": "g1", "placement": {"-1": "n9/gpu0"}}, BAD_PLACEMENT),
+    ({"generation": "g1", "placement": {"0": 3}}, BAD_PLACEMENT),
+    ({"generation": "g1", "placement": {"0": "n8/gpu0"}},
+     "the placement gives no rank to n9's proxies (n9/gpu0, n9/gpu1)"),
+])
+def test_start_with_a_malformed_proxy_config_is_refused_and_changes_nothing(
+        tmp_path: Path, proxy: object, error: str) -> None:
+    (tmp_path / "proxy-gpu0.sock").touch()
+    (tmp_path / "proxy-gpu1.sock").touch()
+    engine = RecordingEngine()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
+
+    assert state.handle({**START, "proxy": proxy}, JOB_UID) == {"ok": False, "error": error}
+
+    assert engine.requests == [] and engine.trees == []
+    assert state.proxies == {}
+    assert state.op_status({})["state"] == "none"
+
+
+def test_start_with_a_placement_on_a_node_without_proxies_says_so(tmp_path: Path) -> None:
+    engine = RecordingEngine()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
+
+    reply = state.handle({**START, "proxy": {"generation": "g1", "placement": {"0": "n9/gpu0"}}}, JOB_UID)
+
+    assert reply == {"ok": False, "error": "the placement gives no rank to n9's proxies (none)"}
+    assert engine.trees == []
+
+
+@pytest.fixture
+def node_proxies(socket_dir: Path) -> Iterator[Callable[[list[str]], dict]]:
+    """Real proxies of job 7 behind their control sockets in `socket_dir`, as the Prolog leaves them."""
+    from singularity_slurm.node import services
+    from singularity_slurm.proxy.daemon import Proxy, serve_control
+    from singularity_slurm.proxy.hal import HostBackend
+    from singularity_slurm.proxy.rendezvous import MemoryRendezvous
+
+    if os.getuid() != 0:
+        pytest.skip("a proxy's control socket serves root only")
+    rendezvous = MemoryRendezvous()
+    started: dict = {}
+    servers: list[socket.socket] = []
+    job_id = int.from_bytes(os.urandom(4), "big")
+
+    def start(devices: list[str]) -> dict:
+        for device in devices:
+            proxy = Proxy(job_id, os.getuid(), f"n9/{device}", HostBackend(), lambda: rendezvous,
+                          bind_host="127.0.0.1")
+            servers.append(serve_control(proxy, socket_dir / f"proxy-{device}.sock"))
+            pidfile = services.pidfile_path(socket_dir, f"proxy-{device}")
+            pidfile.write_text(json.dumps({"pid": os.getpid(),
+                                           "start_time": services.proc_start_time(os.getpid())}))
+            started[device] = proxy
+        return started
+
+    yield start
+    for server in servers:
+        server.close()
+    for proxy in started.values():
+        proxy.stopping = True
+    for proxy in started.values():
+        proxy.close()
+
+
+def test_start_configures_every_proxy_and_gives_the_tree_this_nodes_ranks(
+        socket_dir: Path, node_proxies) -> None:
+    proxies = node_proxies(["gpu0", "gpu1", "gpu2"])
+    engine = RecordingEngine()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    placement = {"0": "n9/gpu0", "1": "n9/gpu1", "2": "n9/gpu0", "3": "n8/gpu0"}
+    try:
+        reply = state.handle({**START, "rank": 1, "proxy": {"generation": "g1", "placement": placement}},
+                             JOB_UID)
+
+        assert reply == {"ok": True, "init_pid": engine.trees[0].pid}
+        assert engine.ranks == [1]
+        assert engine.requests[0]["env"] == {"A": "1", "SINGULARITY_LOCAL_RANKS": "0,1,2"}
+        assert state.proxies == {"n9/gpu0": socket_dir / "proxy-gpu0.sock",
+                                 "n9/gpu1": socket_dir / "proxy-gpu1.sock"}
+        assert {device: (p.generation, p.local_ranks) for device, p in proxies.items()} == {
+            "gpu0": ("g1", [0, 2]), "gpu1": ("g1", [1]), "gpu2": ("g1", [])}
+    finally:
+        state.op_kill({})
+
+
+def test_start_refused_by_a_proxy_names_it_and_starts_nothing(socket_dir: Path, node_proxies) -> None:
+    node_proxies(["gpu0"])
+    engine = RecordingEngine()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+
+    reply = state.handle({**START, "proxy": {"generation": "g1", "placement": {"1": "n9/gpu0"}}}, JOB_UID)
+
+    assert reply == {"ok": False, "error": "proxy n9/gpu0: placement must name ranks 0..N-1, got [1]"}
+    assert engine.trees == []
+    assert state.proxies == {}
+
+
+# --- requests only a multi-node job's launcher carries out ----------------------------------------
+
+
+def test_next_command_without_a_request_answers_none_after_its_timeout() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+    started = time.monotonic()
+
+    assert state.handle({"op": "next_command", "timeout": 0.2}, JOB_UID) == {"ok": True, "command": None}
+    assert 0.2 <= time.monotonic() - started < 2
+
+
+def test_next_command_timeout_has_a_floor() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+    started = time.monotonic()
+
+    assert state.handle({"op": "next_command", "timeout": 0.001}, JOB_UID) == {"ok": True, "command": None}
+    assert 0.1 <= time.monotonic() - started < 2
+
+
+def test_next_command_with_a_timeout_that_is_not_a_number_is_refused() -> None:
+    assert AgentState(7, JOB_UID, "n9").handle({"op": "next_command", "timeout": "soon"}, JOB_UID) == {
+        "ok": False, "error": "next_command failed: could not convert string to float: 'soon'"}
+
+
+def test_command_done_needs_a_result_object() -> None:
+    assert AgentState(7, JOB_UID, "n9").handle({"op": "command_done", "result": "ok"}, JOB_UID) == {
+        "ok": False, "error": "command_done needs result: an object"}
+
+
+class Launcher:
+    """A launcher polling the agent: takes one command, answers it with `result`."""
+
+    def __init__(self, state: AgentState, result: dict):
+        self.state = state
+        self.result = result
+        self.received: list[dict] = []
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        reply = self.state.handle({"op": "next_command", "timeout": 10}, JOB_UID)
+        self.received.append(reply)
+        if reply.get("command"):
+            self.state.handle({"op": "command_done", "result": self.result}, JOB_UID)
+
+    def __enter__(self) -> Launcher:
+        self.thread.start()
+        deadline = time.monotonic() + 5
+        while self.state.launcher_polls_until <= time.monotonic():
+            assert time.monotonic() < deadline, "the launcher did not poll"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.thread.join(timeout=15)
+
+
+def test_migrate_while_a_launcher_polls_is_handed_to_it_and_answers_its_summary() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+
+    with Launcher(state, {"ok": True, "summary": {"seq": 4, "generation": "g2"}}) as launcher:
+        reply = state.handle({"op": "migrate", "exclude": ["n3"]}, JOB_UID)
+
+    assert launcher.received == [{"ok": True, "command": {"op": "migrate", "exclude": ["n3"]}}]
+    assert reply == {"ok": True, "seq": 4, "generation": "g2", "exclude": ["n3"]}
+
+
+def test_migrate_the_launcher_could_not_carry_out_is_an_error_with_its_reason() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+
+    with Launcher(state, {"ok": False, "error": "n2: no consistent cut"}):
+        reply = state.handle({"op": "migrate"}, JOB_UID)
+
+    assert reply == {"ok": False, "error": "migrate failed: n2: no consistent cut"}
+
+
+def test_launcher_checkpoint_is_handed_to_the_polling_launcher() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+
+    with Launcher(state, {"ok": True, "summary": {"seq": 5}}) as launcher:
+        reply = state.handle({"op": "launcher_checkpoint"}, JOB_UID)
+
+    assert launcher.received == [{"ok": True, "command": {"op": "checkpoint"}}]
+    assert reply == {"ok": True, "seq": 5}
+
+
+def test_launcher_checkpoint_without_a_polling_launcher_is_refused() -> None:
+    assert AgentState(7, JOB_UID, "n9").handle({"op": "launcher_checkpoint"}, JOB_UID) == {
+        "ok": False, "error": "job 7 has no launcher waiting for requests on n9 (not a multi-node "
+                              "`singularityctl run` job, or it is starting or ending)"}
+
+
+def test_migrate_without_a_polling_launcher_checkpoints_on_this_node() -> None:
+    assert AgentState(7, JOB_UID, "n9").handle({"op": "migrate"}, JOB_UID) == {
+        "ok": False, "error": "this agent has no checkpoint engine"}
+
+
+@pytest.mark.parametrize("exclude", ["n3", [""], [3]])
+def test_migrate_with_a_bad_exclude_is_refused_before_the_launcher_sees_it(exclude: object) -> None:
+    state = AgentState(7, JOB_UID, "n9")
+    state.launcher_polls_until = time.monotonic() + 60
+
+    assert state.handle({"op": "migrate", "exclude": exclude}, JOB_UID) == {
+        "ok": False, "error": "migrate: exclude must be a list of node names"}
+    assert state.commands.empty()

@@ -10,9 +10,11 @@ import pytest
 from singularity_slurm import config as config_module
 from singularity_slurm.config import (
     CONFIG_ENV,
+    KEYS,
     TIERS,
     Config,
     PreemptionConfig,
+    ProxyConfig,
     RedisConfig,
     load,
     parse,
@@ -430,3 +432,73 @@ def test_validation_error_from_a_file_is_prefixed_with_its_path(tmp_path: Path) 
 
 def test_loaded_config_is_a_config() -> None:
     assert isinstance(parse({}), Config)
+
+
+# --- the [proxy] section --------------------------------------------------------------------------
+
+
+def test_proxy_defaults_are_host_backend_one_cpu_slot_and_a_minute_for_the_cut() -> None:
+    assert parse({}).proxy == ProxyConfig(backend="host", cpu_slots=1, cut_timeout=60)
+
+
+def test_proxy_defaults_match_the_documented_keys() -> None:
+    proxy = parse({}).proxy
+
+    assert {key: default for key, (default, _, _) in KEYS.items() if key.startswith("proxy.")} == {
+        "proxy.backend": proxy.backend, "proxy.cpu_slots": proxy.cpu_slots,
+        "proxy.cut_timeout": proxy.cut_timeout,
+    }
+
+
+@pytest.mark.parametrize(("cpu_slots", "cut_timeout"), [(1, 1), (4, 20), (256, 3600)])
+def test_proxy_overrides_are_taken_with_inclusive_bounds(cpu_slots: int, cut_timeout: int) -> None:
+    config = parse({"proxy": {"backend": "host", "cpu_slots": cpu_slots, "cut_timeout": cut_timeout}})
+
+    assert config.proxy == ProxyConfig(backend="host", cpu_slots=cpu_slots, cut_timeout=cut_timeout)
+
+
+def test_the_documented_example_configures_the_proxies() -> None:
+    example = Path(__file__).parents[2] / "contrib" / "config" / "config.toml"
+
+    assert load(example).proxy == ProxyConfig(backend="host", cpu_slots=1, cut_timeout=20)
+
+
+def test_unknown_proxy_key_lists_valid_keys() -> None:
+    assert config_error({"proxy": {"slots": 2}}) == (
+        "unknown key(s) in [proxy]: slots; valid keys: backend, cpu_slots, cut_timeout"
+    )
+
+
+@pytest.mark.parametrize("backend", ["cuda", "HOST", ""])
+def test_unavailable_proxy_backend_is_refused_with_the_valid_ones(backend: str) -> None:
+    assert config_error({"proxy": {"backend": backend}}) == (
+        f"proxy.backend = {backend!r} is not available; valid backends: host"
+    )
+
+
+@pytest.mark.parametrize("cpu_slots", [0, -1, 257])
+def test_cpu_slots_out_of_range_is_refused(cpu_slots: int) -> None:
+    assert config_error({"proxy": {"cpu_slots": cpu_slots}}) == (
+        f"proxy.cpu_slots must be 1..256, got {cpu_slots}"
+    )
+
+
+@pytest.mark.parametrize("cut_timeout", [0, -5, 3601])
+def test_cut_timeout_out_of_range_is_refused(cut_timeout: int) -> None:
+    assert config_error({"proxy": {"cut_timeout": cut_timeout}}) == (
+        f"proxy.cut_timeout must be 1..3600 seconds, got {cut_timeout}"
+    )
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"proxy": {"cut_timeout": "60"}}, "proxy.cut_timeout must be int, got '60' (str)"),
+    ({"proxy": {"cut_timeout": 60.0}}, "proxy.cut_timeout must be int, got 60.0 (float)"),
+    ({"proxy": {"cpu_slots": True}}, "proxy.cpu_slots must be int, got True (bool)"),
+    ({"proxy": {"backend": 1}}, "proxy.backend must be str, got 1 (int)"),
+])
+def test_proxy_value_of_the_wrong_type_is_refused(data: dict, message: str) -> None:
+    assert config_error(data) == message
+
+
+def test_proxy_section_that_is_not_a_table_is_refused() -> None:
+    assert config_error({"proxy": "host"}) == "[proxy] must be a table"

@@ -1,0 +1,326 @@
+"""Deterministic collectives among proxies: results in rank order, bit-identical on every placement.
+
+Each proxy runs in its own thread with an in-memory fabric (a shared inbox keyed like the mesh's), so
+these tests exercise exactly the chunking and exchange of `collectives`, without sockets.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from singularity_slurm.proxy.collectives import Group, allgather, allreduce, broadcast, chunk_bounds
+from singularity_slurm.proxy.hal import MIN_REGION, BackendError, HostBackend, backend, dtype_of
+
+# --- an in-memory fabric --------------------------------------------------------------------------
+
+
+class Exchange:
+    """What every proxy's fabric shares: messages by (receiver, tag, sender)."""
+
+    def __init__(self) -> None:
+        self.inbox: dict[tuple[str, str, str], bytearray] = {}
+        self.cond = threading.Condition()
+
+
+class MemoryFabric:
+    def __init__(self, me: str, exchange: Exchange):
+        self.me = me
+        self.exchange = exchange
+
+    def send(self, peer: str, tag: str, payload: Sequence) -> None:
+        data = b"".join(bytes(memoryview(p).cast("B")) for p in payload)  # as the mesh sends it
+        with self.exchange.cond:
+            key = (peer, tag, self.me)
+            assert key not in self.exchange.inbox, f"{self.me} sent {tag} to {peer} twice"
+            self.exchange.inbox[key] = bytearray(data)
+            self.exchange.cond.notify_all()
+
+    def take(self, tag: str, sender: str) -> bytearray:
+        key = (self.me, tag, sender)
+        with self.exchange.cond:
+            if not self.exchange.cond.wait_for(lambda: key in self.exchange.inbox, timeout=10):
+                raise TimeoutError(f"{self.me} never got {tag} from {sender}")
+            return self.exchange.inbox.pop(key)
+
+
+def run_on_proxies(owners: tuple[str, ...], inputs: Sequence[np.ndarray],
+                   collective: Callable[[MemoryFabric, Group, dict[int, np.ndarray]], np.ndarray],
+                   ) -> dict[str, np.ndarray]:
+    """Run `collective` on every proxy of the group at once; each proxy's result."""
+    group = Group("world", owners)
+    exchange = Exchange()
+    results: dict[str, np.ndarray] = {}
+    errors: dict[str, BaseException] = {}
+
+    def proxy(me: str) -> None:
+        try:
+            local = {g: inputs[g] for g in group.members_of(me)}
+            results[me] = collective(MemoryFabric(me, exchange), group, local)
+        except BaseException as exc:  # reported below, in the test's thread
+            errors[me] = exc
+
+    threads = [threading.Thread(target=proxy, args=(p,)) for p in group.proxies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    if errors:
+        raise next(iter(errors.values()))
+    assert set(results) == set(group.proxies)
+    assert exchange.inbox == {}, "a message was sent that nobody took"
+    return results
+
+
+def reduce_all(owners: tuple[str, ...], inputs: Sequence[np.ndarray], op: str) -> dict[str, np.ndarray]:
+    return run_on_proxies(owners, inputs, lambda fabric, group, local: allreduce(
+        fabric, HostBackend(), group, "t:1", local, op))
+
+
+def in_rank_order(inputs: Sequence[np.ndarray], op: str) -> np.ndarray:
+    """The reference: ((x0 op x1) op x2) op ..., element by element, in the inputs' dtype."""
+    ufunc = {"sum": np.add, "avg": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum}[op]
+    acc = inputs[0].copy()
+    for x in inputs[1:]:
+        acc = ufunc(acc, x).astype(acc.dtype)
+    if op == "avg":
+        acc = (acc / np.array(len(inputs), dtype=acc.dtype)).astype(acc.dtype)
+    return acc
+
+
+def ragged_floats(ranks: int, size: int, seed: int = 7) -> list[np.ndarray]:
+    """float32 values over six orders of magnitude, where the order of additions shows in the bits."""
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 3, size)).astype(np.float32)
+            for _ in range(ranks)]
+
+
+PLACEMENTS_OF_4 = {
+    "1 proxy x 4 ranks": ("a",) * 4,
+    "2 x 2": ("a", "a", "b", "b"),
+    "4 x 1": ("a", "b", "c", "d"),
+    "2 x 2 interleaved": ("a", "b", "a", "b"),
+    "uneven 3 + 1": ("a", "a", "a", "b"),
+}
+PLACEMENTS_OF_3 = {"1 x 3": ("a",) * 3, "2 + 1": ("a", "a", "b"), "1 + 2": ("a", "b", "b"),
+                   "3 x 1": ("a", "b", "c")}
+OPS = ["sum", "avg", "max", "min", "product"]
+
+
+# --- chunks and groups ----------------------------------------------------------------------------
+
+
+def test_chunk_bounds_split_evenly_with_the_remainder_to_the_first_chunks() -> None:
+    assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert chunk_bounds(9, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert chunk_bounds(5, 1) == [(0, 5)]
+
+
+def test_chunk_bounds_of_fewer_elements_than_parts_leave_empty_chunks_at_the_end() -> None:
+    assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert chunk_bounds(0, 2) == [(0, 0), (0, 0)]
+
+
+@pytest.mark.parametrize(("n", "parts"), [(1, 1), (7, 3), (1000, 7), (3, 8)])
+def test_chunk_bounds_tile_the_range(n: int, parts: int) -> None:
+    bounds = chunk_bounds(n, parts)
+
+    assert len(bounds) == parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(hi == lo for (_, hi), (lo, _) in zip(bounds, bounds[1:], strict=False))
+
+
+def test_group_proxies_are_ordered_by_their_first_member() -> None:
+    group = Group("world", ("b", "a", "b", "c", "a"))
+
+    assert group.proxies == ["b", "a", "c"]
+    assert group.members_of("a") == [1, 4]
+    assert group.members_of("b") == [0, 2]
+    assert group.members_of("z") == []
+
+
+# --- allreduce ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_4.values(), ids=PLACEMENTS_OF_4.keys())
+def test_allreduce_of_float32_equals_the_rank_order_reduction_bit_for_bit(
+        placement: tuple[str, ...], op: str) -> None:
+    inputs = ragged_floats(4, 1001)
+
+    results = reduce_all(placement, inputs, op)
+
+    expected = in_rank_order(inputs, op)
+    for proxy, result in results.items():
+        assert result.dtype == np.float32
+        assert result.tobytes() == expected.tobytes(), f"proxy {proxy}"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce_is_bit_identical_across_placements(op: str) -> None:
+    inputs = ragged_floats(4, 1001, seed=11)
+
+    seen = {name: reduce_all(placement, inputs, op)[placement[0]].tobytes()
+            for name, placement in PLACEMENTS_OF_4.items()}
+
+    assert len(set(seen.values())) == 1, {name: hash(bits) for name, bits in seen.items()}
+
+
+def test_the_data_is_such_that_another_order_of_additions_changes_the_bits() -> None:
+    inputs = ragged_floats(4, 1001)
+
+    assert in_rank_order(inputs, "sum").tobytes() != in_rank_order(inputs[::-1], "sum").tobytes()
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_3.values(), ids=PLACEMENTS_OF_3.keys())
+def test_allreduce_of_three_ranks_on_uneven_placements(placement: tuple[str, ...], op: str) -> None:
+    inputs = ragged_floats(3, 257, seed=3)
+
+    results = reduce_all(placement, inputs, op)
+
+    for result in results.values():
+        assert result.tobytes() == in_rank_order(inputs, op).tobytes()
+
+
+@pytest.mark.parametrize(("op", "expected"), [
+    ("sum", [111, -2]), ("max", [100, 3]), ("min", [1, -7]), ("product", [1000, -42]),
+])
+def test_allreduce_of_integers_is_exact(op: str, expected: list[int]) -> None:
+    inputs = [np.array([1, 2], np.int64), np.array([10, 3], np.int64), np.array([100, -7], np.int64)]
+
+    results = reduce_all(("a", "b", "b"), inputs, op)
+
+    for result in results.values():
+        assert result.dtype == np.int64
+        assert result.tolist() == expected
+
+
+@pytest.mark.parametrize("size", [0, 1, 3])
+def test_allreduce_of_fewer_elements_than_proxies(size: int) -> None:
+    inputs = [np.arange(size, dtype=np.float64) + r for r in range(4)]
+
+    results = reduce_all(PLACEMENTS_OF_4["4 x 1"], inputs, "sum")
+
+    for result in results.values():
+        assert result.tolist() == (4 * np.arange(size) + 6).tolist()
+
+
+def test_allreduce_leaves_the_inputs_untouched() -> None:
+    inputs = ragged_floats(4, 64)
+    before = [x.copy() for x in inputs]
+
+    reduce_all(PLACEMENTS_OF_4["2 x 2"], inputs, "sum")
+    reduce_all(PLACEMENTS_OF_4["1 proxy x 4 ranks"], inputs, "sum")
+
+    assert all(np.array_equal(a, b) for a, b in zip(inputs, before, strict=True))
+
+
+def test_allreduce_avg_of_integers_is_refused_on_every_proxy() -> None:
+    inputs = [np.array([1, 2], np.int32), np.array([3, 4], np.int32)]
+
+    with pytest.raises(BackendError, match="^avg needs a floating-point dtype, got int32$"):
+        reduce_all(("a", "b"), inputs, "avg")
+
+
+# --- broadcast and allgather ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("placement", "root"), [
+    (("a", "a", "b", "b"), 2), (("a", "a", "b", "b"), 1), (("a", "b", "c", "d"), 3), (("a",) * 4, 0),
+])
+def test_broadcast_gives_every_proxy_the_roots_data(placement: tuple[str, ...], root: int) -> None:
+    inputs = [np.arange(5, dtype=np.float32) + 100 * r for r in range(4)]
+
+    results = run_on_proxies(placement, inputs, lambda fabric, group, local: broadcast(
+        fabric, group, "t:1", local, root))
+
+    for proxy, result in results.items():
+        assert result.tolist() == (np.arange(5) + 100 * root).tolist(), f"proxy {proxy}"
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_4.values(), ids=PLACEMENTS_OF_4.keys())
+def test_allgather_concatenates_in_group_rank_order(placement: tuple[str, ...]) -> None:
+    inputs = [np.full(3, 10 * r + 1, dtype=np.int32) for r in range(4)]
+
+    results = run_on_proxies(placement, inputs, lambda fabric, group, local: allgather(
+        fabric, group, "t:1", local, np.dtype(np.int32)))
+
+    for proxy, result in results.items():
+        assert result.tolist() == [1, 1, 1, 11, 11, 11, 21, 21, 21, 31, 31, 31], f"proxy {proxy}"
+
+
+def test_allgather_of_empty_contributions_is_a_barrier() -> None:
+    inputs = [np.empty(0, np.uint8) for _ in range(3)]
+
+    results = run_on_proxies(("a", "b", "a"), inputs, lambda fabric, group, local: allgather(
+        fabric, group, "t:1", local, np.dtype(np.uint8)))
+
+    assert {p: r.size for p, r in results.items()} == {"a": 0, "b": 0}
+
+
+# --- the host backend -----------------------------------------------------------------------------
+
+
+def test_reduce_combines_left_to_right_and_copies() -> None:
+    parts = [np.array([1.0, 8.0]), np.array([2.0, 4.0]), np.array([3.0, 2.0])]
+
+    result = HostBackend().reduce(parts, "avg")
+
+    assert result.tolist() == [2.0, 14.0 / 3.0]
+    assert parts[0].tolist() == [1.0, 8.0]
+
+
+def test_reduce_refuses_an_unknown_operation_naming_the_supported_ones() -> None:
+    with pytest.raises(BackendError) as info:
+        HostBackend().reduce([np.ones(2)], "mean")
+
+    assert str(info.value) == "reduction 'mean' not supported; supported: sum, avg, product, min, max"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int64", "uint8", "bool"])
+def test_reduce_refuses_avg_of_non_floating_dtypes(dtype: str) -> None:
+    with pytest.raises(BackendError) as info:
+        HostBackend().reduce([np.ones(2, dtype), np.ones(2, dtype)], "avg")
+
+    assert str(info.value) == f"avg needs a floating-point dtype, got {dtype}"
+
+
+def test_dtype_of_a_supported_name() -> None:
+    assert dtype_of("float16") == np.dtype(np.float16)
+    assert dtype_of("bool") == np.dtype(bool)
+
+
+@pytest.mark.parametrize("name", ["complex64", "bfloat16", "object", ""])
+def test_dtype_of_an_unsupported_name_lists_the_supported_ones(name: str) -> None:
+    with pytest.raises(BackendError) as info:
+        dtype_of(name)
+
+    assert str(info.value) == (f"dtype {name!r} not supported; supported: float32, float64, float16, int8, "
+                               "int16, int32, int64, uint8, bool")
+
+
+def test_backend_by_name() -> None:
+    assert backend("host").name == "host"
+    with pytest.raises(BackendError) as info:
+        backend("cuda")
+    assert str(info.value) == "device backend 'cuda' not available here; available: host"
+
+
+@pytest.mark.parametrize(("asked", "size"), [
+    (0, MIN_REGION), (1, MIN_REGION), (MIN_REGION, MIN_REGION), (MIN_REGION + 1, 2 * MIN_REGION),
+])
+def test_regions_are_whole_mebibytes_of_shared_memory(asked: int, size: int) -> None:
+    region = HostBackend().region(asked)
+    try:
+        assert region.size == size
+        assert region.view.size == size
+        region.array("int32", 2)[:] = [7, -1]
+        assert region.view[:8].tobytes() == np.array([7, -1], np.int32).tobytes()
+        assert region.fd >= 0
+    finally:
+        region.close()
+    assert region.fd == -1
