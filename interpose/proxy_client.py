@@ -83,13 +83,17 @@ class ProxyClient:
         self.generation = reply.get("generation")
 
     def _drop(self) -> None:
-        """Let go of everything the proxy handed out: socket and mapping."""
-        if self.sock is not None:
-            self.sock.close()
-        self.sock = self.reader = None
+        """Let go of everything the proxy handed out: the mapping, then the socket.
+
+        The proxy counts a parked rank as at rest only once its connection closes, so the mapping
+        must be gone first.
+        """
         if self.shm_addr:
             _libc.munmap(self.shm_addr, self.shm_size)
         self.shm_addr = self.shm_size = 0
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = self.reader = None
 
     def _forget_in_child(self) -> None:
         # A forked child (a DataLoader worker) must not keep the parent's connection open: the

@@ -141,6 +141,12 @@ class SingularityProcessGroup(dist.ProcessGroup):
         self._gather_into(output, tensor)
         return _done([output])
 
+    def all_gather_single(self, output, tensor, opts=None):
+        return self._allgather_base(output, tensor, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for output, tensor in zip(outputs, inputs, strict=True):
             self._gather_into(output, tensor)
@@ -157,6 +163,12 @@ class SingularityProcessGroup(dist.ProcessGroup):
         with _Contiguous(tensor) as src, _Contiguous(output) as dst:
             self._run("reduce_scatter", src, out=dst, reduce=_reduce_name(opts))
         return _done([output])
+
+    def reduce_scatter_single(self, output, tensor, opts=None):
+        return self._reduce_scatter_base(output, tensor, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for output, tensor in zip(outputs, inputs, strict=True):

@@ -17,6 +17,13 @@ The round, run by the leader proxy (the one serving rank 0):
      is reached and the node agents dump.
 Ranks that are behind (a slow rank 0) simply catch up to the target before they park: the cut is
 within one step of the request, wherever each rank was.
+
+  4. AUDIT: a send completes once the receiving proxy has the message, so a receiver can park on an
+     earlier operation of another channel before it reaches the receive (a ring exchange). With the
+     PARKED messages the proxies report, per point-to-point channel, the sends and receives their
+     ranks completed and where each parked rank stopped. Where a message is still undelivered, the
+     leader raises the target of the operation its receiver is parked on (`refine`), those ranks run
+     on, and the round repeats until every message sent was received.
 """
 
 from __future__ import annotations
@@ -51,6 +58,15 @@ def collective_channel(comm: str) -> str:
 
 def p2p_channel(comm: str, src: int, dst: int) -> str:
     return f"{comm}|{src}>{dst}"
+
+
+def parse_p2p(channel: str) -> tuple[str, int, int] | None:
+    """(communicator, source, destination) of a point-to-point channel; None for a collective one."""
+    comm, sep, pair = channel.rpartition("|")
+    if not sep:
+        return None
+    src, _, dst = pair.partition(">")
+    return comm, int(src), int(dst)
 
 
 def gate(phase: Phase, seq: int, target: int) -> Gate:
@@ -88,6 +104,37 @@ def parked(states: Mapping[int, str]) -> bool:
     return all(state in ("parked", "finished") for state in states.values())
 
 
+def refine(targets: Mapping[str, int], audits: Iterable[Mapping]) -> dict[str, int] | None:
+    """Raised targets that let receivers take their undelivered messages, or None if there are none.
+
+    An audit (one per proxy) is {"sent": {channel: n}, "received": {channel: n}, "parked": [{"op":
+    [channel, seq], "dst_of": [[comm, group rank], ...]}]}: completed point-to-point operations by
+    role, and for each parked rank its parked operation and the (communicator, rank) it receives as.
+    A message whose receiver finished (or is parked where no target can help) stays undelivered: it
+    would never have been received.
+    """
+    audits = list(audits)
+    sent: dict[str, int] = {}
+    received: dict[str, int] = {}
+    for audit in audits:
+        for channel, n in audit.get("sent", {}).items():
+            sent[channel] = sent.get(channel, 0) + int(n)
+        for channel, n in audit.get("received", {}).items():
+            received[channel] = received.get(channel, 0) + int(n)
+    raised = dict(targets)
+    for channel, n in sent.items():
+        parsed = parse_p2p(channel)
+        if parsed is None or n <= received.get(channel, 0):
+            continue
+        comm, _, dst = parsed
+        for audit in audits:
+            for parked in audit.get("parked", []):
+                if [comm, dst] in [list(x) for x in parked.get("dst_of", [])]:
+                    op_channel, seq = parked["op"]
+                    raised[op_channel] = max(raised.get(op_channel, 0), int(seq))
+    return raised if raised != dict(targets) else None
+
+
 class Round:
     """The leader's view of one barrier round."""
 
@@ -95,6 +142,7 @@ class Round:
         self.proxies = frozenset(proxies)
         self.reports: dict[str, dict[str, int]] = {}
         self.parked: set[str] = set()
+        self.audits: dict[str, Mapping] = {}
         self.targets: dict[str, int] | None = None
 
     def report(self, proxy: str, maxima: Mapping[str, int]) -> dict[str, int] | None:
@@ -105,7 +153,19 @@ class Round:
             return self.targets
         return None
 
-    def park(self, proxy: str) -> bool:
-        """Record a PARKED message; True once every proxy has parked (the cut is reached)."""
+    def park(self, proxy: str, audit: Mapping | None = None) -> bool:
+        """Record a PARKED message; True once every proxy has parked."""
         self.parked.add(proxy)
+        if audit is not None:
+            self.audits[proxy] = audit
         return self.proxies <= self.parked
+
+    def settle(self) -> dict[str, int] | None:
+        """Once every proxy parked: new targets if messages are undelivered (the round goes on and
+        waits for every proxy to park again), None when the cut is reached."""
+        raised = refine(self.targets or {}, self.audits.values())
+        if raised is not None:
+            self.targets = raised
+            self.parked.clear()
+            self.audits.clear()
+        return raised

@@ -44,13 +44,15 @@ LOG = logging.getLogger("singularity.proxy")
 class RankState(enum.StrEnum):
     """A rank as its proxy sees it.
 
-    ABSENT -> IDLE (hello) -> BUSY (in an operation) -> IDLE | PARKED (answered `park`)
-    PARKED -> ABSENT (resume) ; IDLE | BUSY -> FINISHED (bye, or the connection closed)
+    ABSENT -> IDLE (hello) -> BUSY (in an operation) -> IDLE | PARKING (answered `park`)
+    PARKING -> PARKED (the worker closed its connection: it holds nothing of the proxy's any more)
+    PARKING | PARKED -> ABSENT (resume) ; IDLE | BUSY -> FINISHED (bye, or the connection closed)
     """
 
     ABSENT = "absent"
     IDLE = "idle"
     BUSY = "busy"
+    PARKING = "parking"
     PARKED = "parked"
     FINISHED = "finished"
 
@@ -106,6 +108,7 @@ class Proxy:
         self.pending: dict[tuple[str, int], Pending] = {}
         self.phase = Phase.RUNNING
         self.targets: dict[str, int] = {}
+        self.parked_ops: dict[int, tuple[str, int]] = {}  # rank -> the operation it parked on
         self.reported_parked = False
         self.round: barrier.Round | None = None
         self.cut_started: float | None = None
@@ -142,25 +145,36 @@ class Proxy:
         return {"ranks": self.local_ranks}
 
     def _build_mesh(self) -> None:
-        generation = self.generation
+        with self.cond:
+            generation, proxies = self.generation, list(self.proxies)
+        mesh: Mesh | None = None
         try:
             mesh = Mesh(self.id, str(generation), "", self.bind_host, self._on_control, self._on_lost)
             rendezvous: Rendezvous = self.rendezvous_factory()
             mesh.token = rendezvous.publish(str(generation), self.id, self.advertise_host, mesh.port)
-            addresses = rendezvous.wait(str(generation), self.proxies, timeout=300)
+            addresses = rendezvous.wait(str(generation), proxies, timeout=300)
             with self.cond:
+                if self.generation != generation:
+                    raise MeshError(f"generation {generation} was replaced by {self.generation}")
                 self.mesh = mesh
             mesh.connect(addresses, timeout=300)
         except (OSError, MeshError, RendezvousError) as exc:
             with self.cond:
-                self.mesh_error = str(exc)
+                current = self.generation == generation
+                if current:
+                    self.mesh_error = str(exc)
+                    if self.mesh is mesh:
+                        self.mesh = None
                 self.cond.notify_all()
-            self.log("mesh failed: %s", exc)
+            if mesh is not None:
+                mesh.close()
+            self.log("mesh of generation %s failed%s: %s", generation, "" if current else " (stale)", exc)
             return
         with self.cond:
-            self.ready = True
+            if self.generation == generation:
+                self.ready = True
             self.cond.notify_all()
-        self.log("mesh ready with %s", [p for p in self.proxies if p != self.id])
+        self.log("mesh ready with %s", [p for p in proxies if p != self.id])
 
     def _listen(self, rank: int) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -245,11 +259,11 @@ class Proxy:
                         return
                     else:
                         reply = self._operation(session, message)
-                        if reply.get("park"):
-                            wire.send(sock, reply)
-                            parked = True
-                            return
                         wire.send(sock, reply)
+                        if reply.get("park"):
+                            parked = True
+                            self._await_release(session)
+                            return
                 except (ProxyError, BackendError, KeyError, ValueError, TypeError) as exc:
                     wire.send(sock, {"ok": False, "error": f"{op}: {exc}"})
         except (EOFError, OSError, wire.ProtocolError):
@@ -265,6 +279,21 @@ class Proxy:
                         self.states[rank] = RankState.FINISHED
                     self._check_parked()
                 self.cond.notify_all()
+
+    def _await_release(self, session: Session) -> None:
+        """After `park`: wait until the worker closed its connection (it unmaps its region first)."""
+        try:
+            while True:
+                _, fds = session.reader.recv()
+                for fd in fds:
+                    os.close(fd)
+        except (EOFError, OSError, wire.ProtocolError):
+            pass
+        with self.cond:
+            if self.states.get(session.rank) == RankState.PARKING:
+                self.states[session.rank] = RankState.PARKED
+                self._check_parked()
+            self.cond.notify_all()
 
     def _hello(self, session: Session, message: dict) -> None:
         rank = session.rank
@@ -326,9 +355,9 @@ class Proxy:
                     break
                 self.cond.wait()
             if decision == Gate.PARK:
-                self.states[rank] = RankState.PARKED
+                self.states[rank] = RankState.PARKING
+                self.parked_ops[rank] = (channel, seq)
                 self._unlisten(rank)
-                self._check_parked()
                 return {"park": True}
             self.issued[rank][channel] = seq
             self.states[rank] = RankState.BUSY
@@ -448,7 +477,26 @@ class Proxy:
         if self.phase == Phase.CUTTING and not self.reported_parked and barrier.parked(
                 {r: str(s) for r, s in self.states.items()}):
             self.reported_parked = True
-            self._to_leader({"ctl": "parked", "from": self.id})
+            self._to_leader({"ctl": "parked", "from": self.id, "audit": self._audit()})
+
+    def _audit(self) -> dict:
+        """(With the lock.) Completed point-to-point operations by role, and where ranks parked."""
+        sent: dict[str, int] = {}
+        received: dict[str, int] = {}
+        for rank, channels in self.issued.items():
+            for channel, n in channels.items():
+                parsed = barrier.parse_p2p(channel)
+                if parsed is None or parsed[0] not in self.comms:
+                    continue
+                comm, src, _ = parsed
+                role = sent if self.comms[comm].index(rank) == src else received
+                role[channel] = n
+        parked = [{"op": list(self.parked_ops[rank]),
+                   "dst_of": [[comm, members.index(rank)] for comm, members in self.comms.items()
+                              if rank in members]}
+                  for rank, state in self.states.items()
+                  if state == RankState.PARKED and rank in self.parked_ops]
+        return {"sent": sent, "received": received, "parked": parked}
 
     def _to_leader(self, message: dict) -> None:
         threading.Thread(target=self._send_control, args=(self.leader, message), daemon=True).start()
@@ -485,17 +533,34 @@ class Proxy:
             if targets is not None:
                 self._broadcast_control({"ctl": "cut", "targets": targets})
         elif kind == "cut":
+            unparked: list[int] = []
             with self.cond:
+                targets = {str(k): int(v) for k, v in message["targets"].items()}
                 if self.phase == Phase.DRAINING:
-                    self.phase = Phase.CUTTING
-                    self.targets = {str(k): int(v) for k, v in message["targets"].items()}
+                    self.phase, self.targets = Phase.CUTTING, targets
                     self.log("cut targets %s", self.targets)
-                    self._check_parked()
+                elif self.phase == Phase.CUTTING:
+                    # Undelivered messages: ranks parked at or below the raised targets run on.
+                    self.targets, self.reported_parked = targets, False
+                    for rank, state in self.states.items():
+                        channel, seq = self.parked_ops.get(rank, ("", 0))
+                        if state in (RankState.PARKED, RankState.PARKING) and seq <= targets.get(channel, 0):
+                            self.states[rank] = RankState.ABSENT
+                            unparked.append(rank)
+                    self.log("cut targets raised to %s; ranks %s run on", self.targets, unparked)
                 self.cond.notify_all()
+            for rank in unparked:
+                self._listen(rank)
+            with self.cond:
+                self._check_parked()
         elif kind == "parked" and self.round is not None:
-            if self.round.park(message["from"]):
-                self.round = None
-                self._broadcast_control({"ctl": "cut_done"})
+            if self.round.park(message["from"], message.get("audit")):
+                raised = self.round.settle()
+                if raised is not None:
+                    self._broadcast_control({"ctl": "cut", "targets": raised})
+                else:
+                    self.round = None
+                    self._broadcast_control({"ctl": "cut_done"})
         elif kind == "cut_done":
             with self.cond:
                 if self.phase == Phase.CUTTING:
@@ -550,7 +615,7 @@ class Proxy:
                 return {"resumed": []}
             self.phase = Phase.RUNNING
             self.targets = {}
-            resumed = [r for r, s in self.states.items() if s == RankState.PARKED]
+            resumed = [r for r, s in self.states.items() if s in (RankState.PARKED, RankState.PARKING)]
             for rank in resumed:
                 self.states[rank] = RankState.ABSENT
             self.cond.notify_all()

@@ -40,7 +40,7 @@ class Region:
         return np.frombuffer(self.map, dtype=np.uint8)
 
     def array(self, dtype: str, count: int, offset: int = 0) -> np.ndarray:
-        return np.frombuffer(self.map, dtype=DTYPES[dtype], count=count, offset=offset)
+        return np.frombuffer(self.map, dtype=dtype_of(dtype), count=count, offset=offset)
 
     def close(self) -> None:
         try:

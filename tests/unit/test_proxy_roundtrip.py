@@ -386,10 +386,6 @@ def test_torch_collectives_through_proxies_give_exact_results(ops_results: dict[
         }, f"rank {rank}"
 
 
-@pytest.mark.xfail(strict=True, reason="interpose/torch_backend.py implements _allgather_base and "
-                   "_reduce_scatter_base, but torch 2.13 routes all_gather_into_tensor and "
-                   "reduce_scatter_tensor to ProcessGroup.all_gather_single / reduce_scatter_single: "
-                   "RuntimeError 'No backend type associated with device type cpu'")
 def test_torch_single_tensor_gather_and_scatter_through_proxies(ops_results: dict[int, dict]) -> None:
     assert {r: (res["all_gather_into_tensor"], res["reduce_scatter_tensor"])
             for r, res in ops_results.items()} == {
@@ -589,9 +585,6 @@ def p2p(client: ProxyClient, op: str, peer: int, array: np.ndarray) -> None:
                 [span] if op == "send" else [], [span] if op == "recv" else [], array.nbytes)
 
 
-@pytest.mark.xfail(strict=True, reason="proxy/barrier.py cut targets are per channel end: a buffered send "
-                   "counts for its sender at once, so a receiver that parks on an earlier channel leaves "
-                   "the message in its proxy's memory, which a restored job does not get back")
 def test_a_ring_exchange_cut_leaves_no_message_in_flight(job) -> None:
     run = job({0: "p0", 1: "p1"})
     run.wait_for("the mesh", lambda: all(p.status()["ready"] for p in run.proxies.values()))
@@ -605,9 +598,14 @@ def test_a_ring_exchange_cut_leaves_no_message_in_flight(job) -> None:
     quiesced.start()
     run.wait_for("the cut", lambda: {p.phase for p in run.proxies.values()} == {"cutting"})
     # The slow rank 0 now starts its step: send to 1, then receive from 1. Rank 1 receives from 0.
+    # Then both start the next step (rank 0 sends, rank 1 sends): that is where they park.
     ranks = [threading.Thread(target=lambda: (p2p(clients[0], "send", 1, np.array([2.0], np.float32)),
-                                              p2p(clients[0], "recv", 1, got[0])), daemon=True),
-             threading.Thread(target=p2p, args=(clients[1], "recv", 0, got[1]), daemon=True)]
+                                              p2p(clients[0], "recv", 1, got[0]),
+                                              p2p(clients[0], "send", 1, np.array([3.0], np.float32))),
+                              daemon=True),
+             threading.Thread(target=lambda: (p2p(clients[1], "recv", 0, got[1]),
+                                              p2p(clients[1], "send", 0, np.array([4.0], np.float32))),
+                              daemon=True)]
     for thread in ranks:
         thread.start()
     quiesced.join(timeout=60)
@@ -617,6 +615,7 @@ def test_a_ring_exchange_cut_leaves_no_message_in_flight(job) -> None:
         received = run.proxies["p0"].issued[0].get("world|1>0", 0)
         assert (sent, received) == (received, received), "rank 1 sent a message rank 0 has not received"
         assert all(not p.mesh.inbox for p in run.proxies.values() if p.mesh is not None)
+        assert (got[0][0], got[1][0]) == (1.0, 2.0)  # both messages of the step were delivered
     finally:
         run.on_every_proxy(lambda p: p.resume())
         for thread in ranks:
@@ -629,9 +628,6 @@ def test_a_ring_exchange_cut_leaves_no_message_in_flight(job) -> None:
 # --- the cut's promise: nothing of a proxy in a worker ---------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="proxy/daemon.py _operation counts a rank parked (and may report the "
-                   "cut reached) when it decides to answer `park`, before the worker has read the answer "
-                   "and let go of its socket and shared memory; a dump started then captures both")
 def test_quiesce_answers_only_once_every_worker_let_go_of_the_proxy(job, tmp_path: Path) -> None:
     run = job({0: "p0"})
     proxy = run.proxies["p0"]
@@ -643,8 +639,16 @@ def test_quiesce_answers_only_once_every_worker_let_go_of_the_proxy(job, tmp_pat
     proxy._on_control(proxy.id, {"ctl": "drain"})  # the drain reached this proxy: the next operation waits
     time.sleep(0.5)
     os.kill(worker.pid, signal.SIGSTOP)  # a worker slow to read its answer (a loaded node)
+    outcome: dict = {}
+    quiesce = threading.Thread(target=lambda: outcome.update(proxy.quiesce(timeout=20)), daemon=True)
     try:
-        assert proxy.quiesce(timeout=10)["idle"] is False
+        quiesce.start()
+        time.sleep(2)
+        # Its request was answered `park`, but it has not let go: no cut yet.
+        assert quiesce.is_alive() and proxy.status()["ranks"] == {"0": "parking"}
+        os.kill(worker.pid, signal.SIGCONT)
+        quiesce.join(timeout=20)
+        assert outcome.get("idle") is False
         assert not holds_proxy_resources(worker.pid), (
             "the cut was reported while the worker held the proxy's socket or memory")
     finally:
@@ -664,8 +668,6 @@ class FirstGenerationGivesUpFast(MemoryRendezvous):
         return super().wait(generation, proxies, 0.3 if generation == "1" else timeout)
 
 
-@pytest.mark.xfail(strict=True, reason="proxy/daemon.py _build_mesh of an earlier generation sets mesh_error "
-                   "(and on success mesh and ready) without checking the proxy still serves that generation")
 def test_a_reconfigured_proxy_does_not_take_the_failure_of_its_previous_generation() -> None:
     job_id = int.from_bytes(os.urandom(4), "big") + 10**10
     rendezvous = FirstGenerationGivesUpFast()
