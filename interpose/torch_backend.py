@@ -5,9 +5,11 @@ and makes `init_process_group` and `new_group` use it whatever the script asked 
 env:// or tcp:// init), with a process-local store: the proxies find each other through the
 coordinator, so workers open no TCP connection at all.
 
-Operations run synchronously in the calling thread and return completed work objects: DDP's bucketed
-allreduce still works (it waits on the future), and at a checkpoint every worker is either computing
-or parked in a request, never holding a half-done collective.
+All of a rank's operations go through one FIFO thread per process, in the order the script issued
+them, so every rank sends the same sequence to its proxy. Allreduce returns at once with a future (DDP
+keeps computing its backward pass while a bucket is reduced); every other operation waits for its
+turn and its result. At a checkpoint a rank is computing, or parked in a request, never holding a
+half-done collective.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import datetime
 import functools
 import inspect
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -44,6 +48,54 @@ def client() -> ProxyClient:
             raise ProxyError("the singularity backend runs under `singularityctl run --world-size N` "
                              f"(SINGULARITY_JOB_ID, RANK and WORLD_SIZE must be set): {exc}") from exc
     return _CLIENT
+
+
+class _Queue:
+    """The one thread that talks to the proxy for this process, in issue order."""
+
+    def __init__(self):
+        self.executor: ThreadPoolExecutor | None = None
+        self.thread: threading.Thread | None = None
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self.executor = self.thread = None  # a forked child has no such thread
+
+    def _ensure(self) -> ThreadPoolExecutor:
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="singularity-proxy",
+                                               initializer=self._remember)
+        return self.executor
+
+    def _remember(self) -> None:
+        self.thread = threading.current_thread()
+
+    def run(self, action: Callable[[], object]):
+        """Run `action` after everything issued before it, and wait for its result."""
+        if threading.current_thread() is self.thread:
+            return action()  # issued from a future's callback, already on the queue's thread
+        return self._ensure().submit(action).result()
+
+    def start(self, action: Callable[[], object]) -> dist.Work:
+        """Run `action` after everything issued before it; a work object completes with its result."""
+        future: Future = Future()
+
+        def step():
+            try:
+                result = action()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the work
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        if threading.current_thread() is self.thread:
+            step()
+        else:
+            self._ensure().submit(step)
+        return _create_work_from_future(future)
+
+
+_QUEUE = _Queue()
 
 
 def _done(result) -> dist.Work:
@@ -93,7 +145,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
         self.comm = comm
         self.global_ranks = list(global_ranks)
         self.client = client()
-        self.client.register_comm(comm, self.global_ranks)
+        _QUEUE.run(lambda: self.client.register_comm(comm, self.global_ranks))
         self.p2p: dict[tuple[str, int], int] = {}
 
     def getBackendName(self) -> str:
@@ -104,16 +156,23 @@ class SingularityProcessGroup(dist.ProcessGroup):
         out = tensor if out is None else out
         out_bytes = out.numel() * out.element_size()
         message = {"op": op, "comm": self.comm, "dtype": _dtype(tensor), "count": tensor.numel(), **meta}
-        self.client.call(message, [_span(tensor)] if nbytes else [],
-                         [_span(out)] if out_bytes else [], max(nbytes, out_bytes))
+        _QUEUE.run(lambda: self.client.call(message, [_span(tensor)] if nbytes else [],
+                                            [_span(out)] if out_bytes else [], max(nbytes, out_bytes)))
 
     # --- collectives ------------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
+        reduce = _reduce_name(opts)
         for tensor in tensors:
-            with _Contiguous(tensor) as work:
-                self._run("allreduce", work, reduce=_reduce_name(opts))
-        return _done(tensors)
+            _dtype(tensor)  # refuse what the proxy cannot take here, not in the queue's thread
+
+        def reduce_all():
+            for tensor in tensors:
+                with _Contiguous(tensor) as work:
+                    self._run("allreduce", work, reduce=reduce)
+            return tensors
+
+        return _QUEUE.start(reduce_all)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -176,7 +235,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def barrier(self, opts=None):
-        self.client.call({"op": "barrier", "comm": self.comm}, [], [], 0)
+        _QUEUE.run(lambda: self.client.call({"op": "barrier", "comm": self.comm}, [], [], 0))
         return _done([])
 
     # --- point to point ---------------------------------------------------------------------------
@@ -190,9 +249,10 @@ class SingularityProcessGroup(dist.ProcessGroup):
     def recv(self, tensors, srcRank, tag=0):
         for tensor in tensors:
             with _Contiguous(tensor) as work:
-                self.client.call({"op": "recv", "comm": self.comm, "dtype": _dtype(work),
-                                  "count": work.numel(), "peer": srcRank}, [], [_span(work)],
-                                 work.numel() * work.element_size())
+                message = {"op": "recv", "comm": self.comm, "dtype": _dtype(work), "count": work.numel(),
+                           "peer": srcRank}
+                span, nbytes = _span(work), work.numel() * work.element_size()
+                _QUEUE.run(lambda m=message, sp=span, n=nbytes: self.client.call(m, [], [sp], n))
         return _done(tensors)
 
     def _unsupported(self, name):
