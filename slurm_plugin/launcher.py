@@ -194,7 +194,9 @@ class Launcher:
             except (OSError, ValueError):
                 time.sleep(5)
                 continue
-            if reply.get("ok") and reply.get("command"):
+            if not reply.get("ok"):
+                time.sleep(5)  # an agent that refuses the poll: do not spin
+            elif reply.get("command"):
                 self.events.put(("command", reply["command"]))
 
     def proxy_config(self) -> dict | None:
