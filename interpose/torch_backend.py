@@ -200,12 +200,6 @@ class SingularityProcessGroup(dist.ProcessGroup):
         self._gather_into(output, tensor)
         return _done([output])
 
-    def all_gather_single(self, output, tensor, opts=None):
-        return self._allgather_base(output, tensor, opts)
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
-
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for output, tensor in zip(outputs, inputs, strict=True):
             self._gather_into(output, tensor)
@@ -223,16 +217,16 @@ class SingularityProcessGroup(dist.ProcessGroup):
             self._run("reduce_scatter", src, out=dst, reduce=_reduce_name(opts))
         return _done([output])
 
-    def reduce_scatter_single(self, output, tensor, opts=None):
-        return self._reduce_scatter_base(output, tensor, opts)
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
-
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for output, tensor in zip(outputs, inputs, strict=True):
             self._reduce_scatter_base(output, tensor, opts)
         return _done(outputs)
+
+    # torch 2.13 reaches the single-tensor forms through these names.
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def barrier(self, opts=None):
         _QUEUE.run(lambda: self.client.call({"op": "barrier", "comm": self.comm}, [], [], 0))

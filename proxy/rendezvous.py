@@ -9,10 +9,12 @@ token only the proxies (root, with the Redis password) can read: a peer must pre
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Protocol
 
 from singularity_slurm.coordinator import keys
@@ -99,14 +101,10 @@ class FileRendezvous:
     """The same contract through a folder (one machine, no coordinator): benchmarks and tests."""
 
     def __init__(self, folder: str, poll_s: float = 0.02):
-        from pathlib import Path
-
         self.folder = Path(folder)
         self.poll_s = poll_s
 
     def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
-        import os
-
         gen_dir = self.folder / generation
         gen_dir.mkdir(parents=True, exist_ok=True)
         token_path = gen_dir / "token"

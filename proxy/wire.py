@@ -8,6 +8,7 @@ torch, and a worker's checkpoint image must not depend on anything but a name to
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 
@@ -85,8 +86,6 @@ class Reader:
 
 
 def _close_quietly(fd: int) -> None:
-    import os
-
     try:
         os.close(fd)
     except OSError:
