@@ -120,14 +120,25 @@ def run(config_path: Path | None, checkpoint_interval: float | None, world_size:
     is routed through the job's device proxies, so the ranks hold no network connections and
     every checkpoint is taken at a consistent cut of all of them. N stays the same for the job's
     whole life, whatever devices it is restored on.
+
+    A torchrun (or `python -m torch.distributed.run`) COMMAND runs as its ranks' program with
+    --world-size nproc-per-node x nnodes; `srun` and `mpirun` are refused with what to write instead.
     """
+    from .commandline import devices_per_node, interpret
     from .launcher import Launcher, LaunchError
 
+    try:
+        run_command = interpret(command, world_size, devices_per_node=devices_per_node(os.environ),
+                                python_exec=os.environ.get("PYTHON_EXEC"))
+    except SingularityError as exc:
+        _fail(exc)
+    for note in run_command.notes:
+        click.echo(f"[singularity] {note}", err=True)
     config = _load(config_path)
     try:
         launcher = Launcher(config, os.environ, checkpoint_interval_s=(
-            checkpoint_interval * 60 if checkpoint_interval else None), world_size=world_size)
-        sys.exit(launcher.run(list(command)))
+            checkpoint_interval * 60 if checkpoint_interval else None), world_size=run_command.world_size)
+        sys.exit(launcher.run(list(run_command.argv)))
     except LaunchError as exc:
         _fail(exc)
 

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from singularity_slurm.errors import SingularityError
+from singularity_slurm.slurm_plugin.cli import main
 from singularity_slurm.slurm_plugin.commandline import (
     CommandRefused,
     RunCommand,
@@ -485,3 +487,46 @@ def test_mpirun_that_cannot_be_read_is_refused_with_the_general_advice(command: 
 
 def test_every_refusal_is_a_singularity_error() -> None:
     assert issubclass(CommandRefused, SingularityError)
+
+
+# --- singularityctl run ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def outside_a_job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    for var in ("SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "PYTHON_EXEC",
+                "SINGULARITY_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    return config
+
+
+def test_run_refuses_an_uninterpretable_command_before_anything_else(outside_a_job: Path) -> None:
+    result = CliRunner().invoke(main, ["--config", "/nonexistent.toml", "run", "--", "srun", "-n", "8",
+                                       "python", "train.py"])
+
+    assert result.exit_code == 1
+    assert result.stderr == (f"singularityctl: error: {SRUN_WHY}; write instead: singularityctl run "
+                             "--world-size 8 -- python train.py\n")
+
+
+def test_run_refuses_a_world_size_that_torchrun_contradicts(outside_a_job: Path) -> None:
+    result = CliRunner().invoke(main, ["--config", str(outside_a_job), "run", "--world-size", "3", "--",
+                                       "python", "-m", "torch.distributed.run", "--nproc-per-node=2", "t.py"])
+
+    assert result.exit_code == 1
+    assert result.stderr.startswith("singularityctl: error: python -m torch.distributed.run starts 2 x 1 = 2")
+
+
+def test_run_prints_the_notes_then_hands_the_ranks_to_the_launcher(outside_a_job: Path) -> None:
+    result = CliRunner().invoke(main, ["--config", str(outside_a_job), "run", "--", "python", "-m",
+                                       "torch.distributed.run", "--standalone", "--nproc-per-node=2", "t.py"])
+
+    assert result.exit_code == 1  # the launcher refuses to run outside a Slurm job
+    assert result.stderr == (
+        "[singularity] python -m torch.distributed.run runs as: singularityctl run --world-size 2 -- "
+        "python t.py\n"
+        f"[singularity] --standalone {RDZV_NOTE}\n"
+        "singularityctl: error: `singularityctl run` runs inside a Slurm batch job (SLURM_JOB_ID, "
+        "SLURMD_NODENAME unset)\n")
