@@ -606,12 +606,18 @@ class CheckpointStore:
             raise
         return written
 
-    def latest_valid(self, job_id: int | str) -> tuple[Manifest, list[Refusal]]:
-        """The newest checkpoint that verifies, and the newer ones refused on the way (newest first)."""
+    def latest_valid(self, job_id: int | str,
+                     where: Callable[[Manifest], bool] | None = None) -> tuple[Manifest, list[Refusal]]:
+        """The newest checkpoint that verifies, and the newer ones refused on the way (newest first).
+
+        `where` skips checkpoints it rejects (those of another run of the job) without refusing them.
+        """
         refused: list[Refusal] = []
         for seq in reversed(self.seqs(job_id)):
             try:
                 manifest = self.read(job_id, seq)
+                if where is not None and not where(manifest):
+                    continue
                 self.verify(manifest)
             except NoCheckpoint:  # pruned since we listed the folder
                 continue

@@ -33,7 +33,7 @@ TRAIN = f"""#!/bin/bash
 #SBATCH --job-name=train-basic
 #SBATCH --gres=gpu:4
 #SBATCH -o train-%j.out
-exec {CTL} run -- {PYTHON} train_reference.py --steps {STEPS} --sleep 0.1
+singularityctl run -- python train_reference.py --steps {STEPS} --sleep 0.1
 """
 
 PREMIUM = """#!/bin/bash
@@ -70,8 +70,10 @@ def submit(workdir: Path, name: str, text: str, *options: str) -> int:
     script = workdir / name
     script.write_text(text)
     shutil.chown(script, USER)
-    proc = subprocess.run(["runuser", "-u", USER, "--", "env", "-C", str(workdir), "sbatch", "--parsable",
-                           *options, str(script)], capture_output=True, text=True)
+    # The user's shell has Singularity's venv on PATH (`singularityctl`, and a `python` with torch).
+    proc = subprocess.run(["runuser", "-u", USER, "--", "env", "-C", str(workdir),
+                           f"PATH={BIN}:/usr/bin:/bin", "sbatch", "--parsable", *options, str(script)],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"demo: sbatch failed: {proc.stderr.strip()}")
     return int(proc.stdout.strip().split(";")[0])

@@ -16,13 +16,20 @@ Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error
   requeue {exclude}                      requeue the job in Slurm (away from `exclude` nodes) and
                                          lift its requeue delay
   migrate {exclude}                      checkpoint (the tree stops), then requeue away from `exclude`
-  latest {}                              the newest committed checkpoint of the job, or null
-  generations {rank}                     generations of this node's multi-node checkpoints
+  latest {run}                           the newest committed checkpoint of the job, or null
+  generations {rank, run}                generations of this node's multi-node checkpoints
+  run_begin {command}                    the launcher of the job's next `singularityctl run` line:
+                                         its key and what is known of it from before a requeue
+  run_end {key, exit_status}             that run's command ended by itself
   status {}                              the tree's state and the last checkpoint
   devices {}                             the ids of this node's device proxies, in device order
-  next_command {timeout}                 (the launcher of a multi-node job) wait for an admin request
-                                         (migrate, launcher_checkpoint), which only the launcher can
-                                         carry out on every node; command_done {result} answers it
+  next_command {timeout}                 (the launcher) wait for an admin request (migrate,
+                                         launcher_checkpoint), which the launcher carries out on every
+                                         node; command_done {result} answers it, and returns once
+                                         the answer reached the caller (its requeue ends the caller)
+
+Checkpoint, restore, latest and generations take the run's key (`run`), so each `singularityctl run`
+of a job restores only its own checkpoints.
 
 A distributed job's start and restore carry `proxy: {generation, placement}` (rank -> proxy id):
 the agent configures its proxies for that rendezvous generation and starts this node's ranks. Its
@@ -39,6 +46,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import socket
 import socketserver
@@ -50,9 +58,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from singularity_slurm.node import services
+from singularity_slurm.node import runs, services
 
 MAX_REQUEST = 1 << 20
+RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
+_CALL = threading.local()  # per request thread: where to register callbacks for after the reply
 LOG = logging.getLogger("singularity.agent")
 
 
@@ -101,6 +111,8 @@ class AgentState:
         self.commands: queue.Queue[dict] = queue.Queue()
         self.command_results: queue.Queue[dict] = queue.Queue()
         self.launcher_polls_until = 0.0
+        self.delivered: threading.Event | None = None  # set once a command's answer reached its caller
+        self.next_run_index = 0
         self.lock = threading.Condition()
         self.state = TreeState.NONE
         self.init_pid: int | None = None
@@ -109,7 +121,9 @@ class AgentState:
 
     # --- protocol ---------------------------------------------------------------------------------
 
-    def handle(self, request: dict, peer_uid: int) -> dict:
+    def handle(self, request: dict, peer_uid: int, after_reply: list | None = None) -> dict:
+        """Serve one request. `after_reply` collects callbacks to run once the caller has the reply."""
+        _CALL.after_reply = after_reply
         if not authorized(peer_uid, self.job_uid):
             return {"ok": False, "error": f"uid {peer_uid} may not act on job {self.job_id}"}
         op = request.get("op")
@@ -165,7 +179,8 @@ class AgentState:
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
             engine.use_rank(request.get("rank", 0))
             self._configure_proxies(request.get("proxy"))
-            result = engine.restore(self.job_id, self.job_uid, request.get("generation"))
+            result = engine.restore(self.job_id, self.job_uid, request.get("generation"),
+                                    _run_key(request))
             self.init_pid = result["init_pid"]
             self._running(result.pop("waiter"))
         LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])
@@ -306,7 +321,7 @@ class AgentState:
             cut_seconds = self._quiesce()
             try:
                 summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop,
-                                            generation=generation)
+                                            generation=generation, run=_run_key(request))
             finally:
                 if self.proxies and not stop:
                     self._proxies_call({"op": "resume"}, 30)
@@ -368,11 +383,19 @@ class AgentState:
         if time.monotonic() >= self.launcher_polls_until:
             raise RequestError(f"job {self.job_id} has no launcher waiting for requests on {self.node} "
                                "(not a multi-node `singularityctl run` job, or it is starting or ending)")
+        delivered = threading.Event()
+        self.delivered = delivered
+        after_reply = getattr(_CALL, "after_reply", None)
         self.commands.put(command)
         try:
             result = self.command_results.get(timeout=900)
         except queue.Empty:
             raise RequestError(f"the job's launcher did not carry out {command['op']}") from None
+        finally:
+            if after_reply is None:
+                delivered.set()  # the caller is in this process (no connection to wait for)
+            else:
+                after_reply.append(delivered.set)
         if not result.get("ok"):
             raise RequestError(f"{command['op']} failed: {result.get('error')}")
         return dict(result.get("summary") or {})
@@ -393,18 +416,54 @@ class AgentState:
         if not isinstance(result, dict):
             raise RequestError("command_done needs result: an object")
         self.command_results.put(result)
+        delivered = self.delivered
+        if delivered is not None:
+            # The launcher requeues next, which ends the caller's job step: let the answer reach it.
+            delivered.wait(timeout=15)
         return {}
 
     def op_generations(self, request: dict) -> dict:
         engine = self._need_engine()
         engine.use_rank(request.get("rank", 0))
-        return {"generations": engine.generations(self.job_id)}
+        return {"generations": engine.generations(self.job_id, _run_key(request))}
 
     def op_latest(self, request: dict) -> dict:
-        return {"checkpoint": self._need_engine().latest(self.job_id)}
+        return {"checkpoint": self._need_engine().latest(self.job_id, _run_key(request))}
+
+    def op_run_begin(self, request: dict) -> dict:
+        engine = self._need_engine()
+        with self.lock:
+            index = self.next_run_index
+            try:
+                key, before = engine.run_begin(self.job_id, index, request.get("command"))
+            except runs.RunRecordError as exc:
+                raise RequestError(str(exc)) from exc
+            self.next_run_index += 1
+        LOG.info("job %s node %s: run %s begins (%s)", self.job_id, self.node, key,
+                 "new" if before is None else before.get("state"))
+        return {"index": index, "key": key, "record": before}
+
+    def op_run_end(self, request: dict) -> dict:
+        key, status = _run_key(request, "key"), request.get("exit_status")
+        if key is None:
+            raise RequestError("run_end needs key: the run's key from run_begin")
+        try:
+            self._need_engine().run_end(self.job_id, key, status)
+        except runs.RunRecordError as exc:
+            raise RequestError(str(exc)) from exc
+        return {}
 
     def shutdown(self) -> None:
         self.op_kill({})
+
+
+def _run_key(request: dict, field: str = "run") -> str | None:
+    key = request.get(field)
+    if key is None:
+        return None
+    if not isinstance(key, str) or not RUN_KEY.fullmatch(key):
+        raise RequestError(f"{field} must be a run key from run_begin, got {key!r}")
+    return key
 
 
 def _device_order(proxy: str) -> tuple[str, int, str]:
@@ -418,6 +477,14 @@ def _device_order(proxy: str) -> tuple[str, int, str]:
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         _, uid, _ = peer_credentials(self.request)
+        after_reply: list = []
+        try:
+            self._serve(uid, after_reply)
+        finally:
+            for callback in after_reply:  # the caller closed its end: it has every answer
+                callback()
+
+    def _serve(self, uid: int, after_reply: list) -> None:
         for line in self.rfile:
             if len(line) > MAX_REQUEST:
                 reply = {"ok": False, "error": "request too large"}
@@ -426,7 +493,7 @@ class _Handler(socketserver.StreamRequestHandler):
                     request = json.loads(line)
                     if not isinstance(request, dict):
                         raise ValueError("not an object")
-                    reply = self.server.state.handle(request, uid)  # type: ignore[attr-defined]
+                    reply = self.server.state.handle(request, uid, after_reply)  # type: ignore[attr-defined]
                 except ValueError as exc:
                     reply = {"ok": False, "error": f"bad request: {exc}"}
             self.wfile.write(json.dumps(reply).encode() + b"\n")

@@ -23,7 +23,7 @@ from singularity_slurm.errors import CheckpointError, CorruptCheckpoint, NoCheck
 from singularity_slurm.interpose import filelog
 from singularity_slurm.slurm_plugin.slurm import SlurmClient
 
-from . import jobtree, localfiles
+from . import jobtree, localfiles, runs
 from .agent import RequestError
 
 KEEP_CHECKPOINTS = 3
@@ -57,6 +57,13 @@ def summarize(manifest: Manifest, seconds: float | None = None) -> dict[str, Any
         "node": manifest.meta.get("node"),
         "seconds": round(seconds, 3) if seconds is not None else None,
     }
+
+
+def of_run(run: str | None) -> Callable[[Manifest], bool]:
+    """Which checkpoints belong to a `singularityctl run` of the job (None: any of them)."""
+    if run is None:
+        return lambda manifest: True
+    return lambda manifest: manifest.meta.get("run") == run
 
 
 class CheckpointEngine:
@@ -126,12 +133,12 @@ class CheckpointEngine:
     # --- checkpoint -------------------------------------------------------------------------------
 
     def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
-                   generation: str | None = None) -> dict[str, Any]:
+                   generation: str | None = None, run: str | None = None) -> dict[str, Any]:
         started = time.monotonic()
         work = self.run_dir / f"dump-{int(time.time() * 1000)}"
         work.mkdir(mode=0o700, parents=True)
         try:
-            return self._checkpoint(job_id, uid, init_pid, reason, stop, generation, work, started)
+            return self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started)
         except Exception as exc:
             error = str(exc)
             self._index(lambda registry: registry.record_failure(job_id, self.node, reason, error))
@@ -140,14 +147,14 @@ class CheckpointEngine:
             shutil.rmtree(work, ignore_errors=True)
 
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
-                    generation: str | None, work: Path, started: float) -> dict[str, Any]:
+                    generation: str | None, run: str | None, work: Path, started: float) -> dict[str, Any]:
         self.criu.dump(init_pid, work, leave_running=not stop)
         dumped = time.monotonic()
         local = localfiles.collect(localfiles.log_path(self.config.paths.state_dir, job_id), uid)
         manifest = images.upload(self.store, job_id, work, reason, {
             "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
             "local_files": sorted(k for k in local if k != localfiles.LOG_ENTRY),
-            "rank": self.rank, "generation": generation,
+            "rank": self.rank, "generation": generation, "run": run,
         }, extra=local)
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
         try:
@@ -167,14 +174,15 @@ class CheckpointEngine:
 
     # --- restore ----------------------------------------------------------------------------------
 
-    def restore(self, job_id: int, uid: int, generation: str | None = None) -> dict[str, Any]:
+    def restore(self, job_id: int, uid: int, generation: str | None = None,
+                run: str | None = None) -> dict[str, Any]:
         started = time.monotonic()
         self._check_trusted(job_id)
         if generation is not None:
-            manifest, refused = self._generation(job_id, generation), []
+            manifest, refused = self._generation(job_id, generation, run), []
         else:
             try:
-                manifest, refused = self.store.latest_valid(job_id)
+                manifest, refused = self.store.latest_valid(job_id, where=of_run(run))
             except NoCheckpoint as exc:
                 raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
         work = self.run_dir / f"restore-{manifest.seq}"
@@ -237,10 +245,10 @@ class CheckpointEngine:
                                    f"writable by others (mode {info.st_mode & 0o777:o}); only "
                                    "checkpoints the agents wrote are restored")
 
-    def _generation(self, job_id: int, generation: str) -> Manifest:
+    def _generation(self, job_id: int, generation: str, run: str | None = None) -> Manifest:
         """This node's checkpoint of one multi-node checkpoint, verified."""
         for manifest in reversed(self.store.list(job_id)):
-            if manifest.meta.get("generation") == generation:
+            if manifest.meta.get("generation") == generation and of_run(run)(manifest):
                 try:
                     self.store.verify(manifest)
                 except CorruptCheckpoint as exc:
@@ -249,10 +257,27 @@ class CheckpointEngine:
                 return manifest
         raise RequestError(f"node rank {self.rank} has no checkpoint of generation {generation}")
 
-    def generations(self, job_id: int) -> list[str]:
+    def generations(self, job_id: int, run: str | None = None) -> list[str]:
         """Generations this node committed, oldest first (multi-node checkpoints)."""
-        return [m.meta["generation"] for m in self.store.list(job_id) if m.meta.get("generation")]
+        return [m.meta["generation"] for m in self.store.list(job_id)
+                if m.meta.get("generation") and of_run(run)(m)]
 
-    def latest(self, job_id: int) -> dict[str, Any] | None:
-        seqs = self.store.seqs(job_id)
-        return summarize(self.store.read(job_id, seqs[-1])) if seqs else None
+    def latest(self, job_id: int, run: str | None = None) -> dict[str, Any] | None:
+        manifests = [m for m in self.store.list(job_id) if of_run(run)(m)]
+        return summarize(manifests[-1]) if manifests else None
+
+    # --- the job's runs ---------------------------------------------------------------------------
+
+    def runs_file(self, job_id: int) -> Path:
+        """Beside the checkpoints of node rank 0 (the batch host's), whatever this node's rank."""
+        return job_store(self.config.paths.store_root).job_dir(job_id) / runs.FILE_NAME
+
+    def run_begin(self, job_id: int, index: int, command: list[str]) -> tuple[str, dict[str, Any] | None]:
+        path = self.runs_file(job_id)
+        records, before = runs.begin(runs.load(path), index, command)
+        runs.save(path, records)
+        return records[str(index)]["key"], before
+
+    def run_end(self, job_id: int, key: str, exit_status: int) -> None:
+        path = self.runs_file(job_id)
+        runs.save(path, runs.finish(runs.load(path), key, exit_status))

@@ -94,14 +94,14 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
         value = conf.get("SlurmctldParameters", "")
         key("SlurmctldParameters", _has_flag(value, "preempt_send_user_signal"),
             f"SlurmctldParameters={value or '(unset)'}",
-            "add preempt_send_user_signal to SlurmctldParameters (so preemption signals only the "
-            "batch shell, which checkpoints the job)")
+            "add preempt_send_user_signal to SlurmctldParameters (so preemption sends the job's "
+            "warning signal to the launcher, which checkpoints the job)")
     else:
         value = conf.get("PreemptParameters", "")
         key("PreemptParameters", _has_flag(value, "send_user_signal"),
             f"PreemptParameters={value or '(unset)'}",
-            "add send_user_signal to PreemptParameters (so preemption signals only the batch "
-            "shell, which checkpoints the job)")
+            "add send_user_signal to PreemptParameters (so preemption sends the job's warning "
+            "signal to the launcher, which checkpoints the job)")
     bin_dir = config.paths.prefix / "venv" / "bin"
     for name, program in (("Prolog", "singularity-prolog"), ("Epilog", "singularity-epilog")):
         value = conf.get(name, "")

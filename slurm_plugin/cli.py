@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -125,20 +126,32 @@ def run(config_path: Path | None, checkpoint_interval: float | None, world_size:
     --world-size nproc-per-node x nnodes; `srun` and `mpirun` are refused with what to write instead.
     """
     from .commandline import devices_per_node, interpret
-    from .launcher import Launcher, LaunchError
+    from .launcher import WARNING_SIGNALS, Launcher, LaunchError, front_environment, in_job_step, run_as_step
 
+    in_step = in_job_step(os.environ)
+    early: list[int] = []
+    if in_step:  # the warning may come before the launcher exists: keep it for the launcher
+        for sig in WARNING_SIGNALS:
+            signal.signal(sig, lambda signum, frame: early.append(signum))
+    env = front_environment(os.environ) if in_step else dict(os.environ)
     try:
-        run_command = interpret(command, world_size, devices_per_node=devices_per_node(os.environ),
-                                python_exec=os.environ.get("PYTHON_EXEC"))
+        run_command = interpret(command, world_size, devices_per_node=devices_per_node(env),
+                                python_exec=env.get("PYTHON_EXEC"))
     except SingularityError as exc:
         _fail(exc)
-    for note in run_command.notes:
-        click.echo(f"[singularity] {note}", err=True)
     config = _load(config_path)
     try:
+        if not in_step:
+            # In the batch script: run as a job step, which Slurm's warning signal reaches. The step
+            # interprets the command again and prints the notes.
+            sys.exit(run_as_step(config, os.environ, sys.argv[1:]))
+        if os.environ.get("SLURM_PROCID", "0") != "0":
+            sys.exit(0)  # `srun singularityctl run` with several tasks: task 0 launches for all
+        for note in run_command.notes:
+            click.echo(f"[singularity] {note}", err=True)
         launcher = Launcher(config, os.environ, checkpoint_interval_s=(
             checkpoint_interval * 60 if checkpoint_interval else None), world_size=run_command.world_size)
-        sys.exit(launcher.run(list(run_command.argv)))
+        sys.exit(launcher.run(list(run_command.argv), early))
     except LaunchError as exc:
         _fail(exc)
 
@@ -203,6 +216,9 @@ def agent_call(config_path: Path | None, op: str, args: str) -> None:
     from singularity_slurm.node.agent import request
 
     config = _load(config_path)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        # A job step like any other, it gets the preemption warning too; the launcher acts on it.
+        signal.signal(sig, signal.SIG_IGN)
     try:
         payload = {**json.loads(args), "op": op}
         if op in ("start", "restore", "generations") and "rank" not in payload:

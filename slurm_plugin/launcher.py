@@ -1,19 +1,27 @@
 """`singularityctl run -- CMD`: the launcher a batch script runs instead of CMD itself.
 
-First start: the node agent starts CMD (as the job's user, in its own PID and mount namespace) with a
-torchrun-compatible environment. After a requeue (restart count > 0) with a committed checkpoint,
-the agent restores it instead, and the command continues where it stopped.
+The launcher runs as a job step of its own. Written in a batch script, `singularityctl run` starts
+itself again through `srun --overlap` on the batch host (`run_as_step`) and waits for that step:
+Slurm's warning signal (`--signal=USR2@T`, set by the policy without `B:`) goes to every step of the
+job and never to the batch shell, so the launcher hears it whatever the script looks like (bash or
+sh, with or without `exec`, `set -e`, lines after `run`, `sbatch --wrap`), and the shell lives on.
+Run from a step already (`srun singularityctl run ...`), it is the step.
 
-All preemption handling lives here: the warning signal (SIGUSR2 from the job-submit policy; SIGTERM
-as a fallback) becomes a checkpoint that stops the job, then a requeue. If the checkpoint fails, the
-job is requeued anyway and resumes from its last good checkpoint. Periodic checkpoints leave the job
-running. Every line the launcher prints starts with "[singularity]", so the job's own output,
-which shares the file, stays recognisable.
+First start: the node agent starts CMD (as the job's user, in its own PID and mount namespace) with a
+torchrun-compatible environment. After a requeue with a committed checkpoint of this run, the agent
+restores it instead, and the command continues where it stopped. Each `singularityctl run` in a job
+has an identity (its position in the batch script, and its command): after a requeue, runs that
+finished return their recorded exit status at once.
+
+The decisions are `lifecycle.step`'s; this module only carries its actions out: the agent requests,
+the fan-out to every node, signals, timers. Every line the launcher prints starts with
+"[singularity]", so the job's own output, which shares the file, stays recognisable.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -32,9 +40,16 @@ from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
 from singularity_slurm.node.agent import request
 
+from . import lifecycle
 from .slurm import SlurmClient, expand_hostlist
 
-WARNING_SIGNALS = {"USR2": signal.SIGUSR2, "USR1": signal.SIGUSR1, "TERM": signal.SIGTERM}
+LOG = logging.getLogger("singularity.launcher")
+FRONT_PID = "SINGULARITY_LAUNCHER_FRONT"
+FRONT_OUTPUT = "SINGULARITY_LAUNCHER_OUTPUT"
+WARNING_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
+REQUEUE_WAIT_S = 300.0
+"""How long a launcher that asked for a requeue waits for Slurm to end it with the job."""
+
 
 
 class LaunchError(SingularityError):
@@ -102,19 +117,120 @@ def output_target(fd: int = 1) -> str | None:
     return target if target.startswith("/") and os.path.exists(target) else None
 
 
-def mib(n: int | None) -> str:
-    return f"{(n or 0) / (1 << 20):.1f} MiB"
+def being_preempted(job_id: int) -> bool:
+    """Whether Slurm records a preemption of the job (PreemptTime), as opposed to `scancel`."""
+    try:
+        record = SlurmClient(timeout=10).job(job_id) or {}
+    except SingularityError:
+        return False
+    return record.get("PreemptTime", "None") not in ("None", "", "Unknown")
+
+
+def in_job_step(env: Mapping[str, str]) -> bool:
+    """Whether this process runs in a job step (srun), not in the batch script itself."""
+    try:
+        step = int(env.get("SLURM_STEP_ID", ""))
+    except ValueError:
+        return False
+    return 0 <= step < 0xFFFFFFF0  # the batch and extern steps have reserved ids above this
+
+
+def step_argv(info: JobInfo, ctl: str, args: list[str]) -> list[str]:
+    """`srun` that runs `singularityctl ARGS` as a one-task step of the job on its batch host."""
+    return ["srun", f"--jobid={info.job_id}", "--overlap", "--nodes=1", "--ntasks=1",
+            f"--nodelist={info.node}", "--quiet", "--kill-on-bad-exit=1", "--export=ALL", ctl, *args]
+
+
+def run_as_step(config: Config, env: Mapping[str, str], args: list[str]) -> int:
+    """From the batch script: run this same `singularityctl ARGS` as a job step and wait for it.
+
+    The step reads this process's environment (the batch script's, not the step's) and output file
+    through /proc, so the command sees exactly what it would have seen in the batch script. The
+    warning signal, should a site still send it to the batch shell's children, is passed on.
+    """
+    info = job_info(env, config)
+    ctl = str(Path(sys.executable).with_name("singularityctl"))
+    child_env = {**env, FRONT_PID: str(os.getpid())}
+    output = output_target()
+    if output:
+        child_env[FRONT_OUTPUT] = output
+    try:
+        proc = subprocess.Popen(step_argv(info, ctl, args), env=child_env)
+    except OSError as exc:
+        raise LaunchError(f"cannot start the launcher step with srun: {exc}; is Slurm's srun on "
+                          "PATH?") from exc
+
+    def forward(signum, frame):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    code = proc.wait()
+    code = 128 - code if code < 0 else code
+    if code != 0 and being_preempted(info.job_id):
+        # The warning came before the step could catch it (while Python started), or the step
+        # failed while the job was being preempted: requeue, so the job resumes from its last
+        # checkpoint instead of ending with this status.
+        return requeue_from_front(config, info, code)
+    return code
+
+
+def requeue_from_front(config: Config, info: JobInfo, code: int) -> int:
+    say = _stderr_say(sys.stderr)
+    prefix = f"[singularity] job {info.job_id} on {info.node}"
+    say(f"{prefix}: the launcher step ended with status {code} while the job is being preempted; "
+        "requeueing it to resume from its last checkpoint")
+    socket_path = job_run_dir(config.paths.state_dir, info.node, info.job_id) / "agent.sock"
+    try:
+        reply = request(socket_path, {"op": "requeue"}, timeout=120)
+    except (OSError, ValueError) as exc:
+        reply = {"ok": False, "error": str(exc)}
+    if not reply.get("ok"):
+        say(f"{prefix}: requeue failed: {reply.get('error')}")
+        return code
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+    time.sleep(REQUEUE_WAIT_S)  # the requeue ends the batch script with the job; this is a bound
+    say(f"{prefix}: Slurm did not end the job within {REQUEUE_WAIT_S:.0f}s of its requeue")
+    return code
+
+
+def front_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The batch script's environment, for a launcher step started by `run_as_step`."""
+    pid = env.get(FRONT_PID, "")
+    if not pid.isdigit():
+        return dict(env)
+    path = Path(f"/proc/{pid}/environ")
+    try:
+        if path.stat().st_uid != os.getuid():
+            return dict(env)
+        raw = path.read_bytes()
+    except OSError:
+        return dict(env)
+    out: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep:
+            out[name.decode(errors="surrogateescape")] = value.decode(errors="surrogateescape")
+    out.pop(FRONT_PID, None)
+    out.pop(FRONT_OUTPUT, None)
+    return out
 
 
 class Launcher:
+    """Carries out `lifecycle.step`'s actions for one `singularityctl run`."""
+
     def __init__(self, config: Config, env: Mapping[str, str], say: Callable[[str], None] | None = None,
                  checkpoint_interval_s: float | None = None, grace_s: float = 600.0,
-                 world_size: int | None = None):
+                 world_size: int | None = None, requeue_wait_s: float = REQUEUE_WAIT_S):
         self.config = config
         self.world_size = world_size
         self.attempt = 0
-        self.env = dict(env)
-        self.info = job_info(env, config)
+        self.output = env.get(FRONT_OUTPUT)
+        self.env = front_environment(env)
+        self.info = job_info(self.env, config)
         self.socket = job_run_dir(config.paths.state_dir, self.info.node, self.info.job_id) / "agent.sock"
         self._say = say or _stderr_say(sys.stderr)
         if checkpoint_interval_s is None and self.info.tier:
@@ -122,7 +238,11 @@ class Launcher:
             checkpoint_interval_s = minutes * 60.0 if minutes else None
         self.interval = checkpoint_interval_s
         self.grace_s = grace_s
-        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.requeue_wait_s = requeue_wait_s
+        self.run_key: str | None = None
+        self.last_summary: dict | None = None
+        self.events: queue.Queue[lifecycle.Event | _Signal | _Exited] = queue.Queue()
+        self.actions: queue.Queue[lifecycle.Action | None] = queue.Queue()
 
     def say(self, message: str) -> None:
         self._say(f"[singularity] job {self.info.job_id} on {self.info.node}: {message}")
@@ -161,33 +281,145 @@ class Launcher:
             raise LaunchError(f"{op} failed on " + "; ".join(failed))
         return replies  # type: ignore[return-value]
 
-    # --- signals ----------------------------------------------------------------------------------
-
-    def install_signal_handlers(self) -> None:
-        def on_signal(signum, frame):
-            self.events.put(("signal", signal.Signals(signum).name))
-
-        for sig in (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, on_signal)
+    def every_node(self, op: str, payload: dict | None = None, timeout: float | None = None) -> list[dict]:
+        """One request to this node's agent, or to every node's for a multi-node job."""
+        if self.info.multi_node:
+            return self.fanout(op, payload, timeout=timeout)
+        return [self.agent({"op": op, **(payload or {})}, timeout=timeout)]
 
     # --- run --------------------------------------------------------------------------------------
 
-    def run(self, argv: list[str]) -> int:
+    def run(self, argv: list[str], early_signals: list[int] | None = None) -> int:
+        """Run the command to its end; `early_signals`: what arrived before the launcher existed."""
         if not argv:
             raise LaunchError("nothing to run: give the command after `--`")
-        self.install_signal_handlers()
-        restored = False
-        if self.info.restart_count > 0:
-            restored = self.restore()
-        if not restored:
-            self.start(argv)
+        for sig in WARNING_SIGNALS:
+            signal.signal(sig, lambda signum, frame: self.events.put(_Signal(signal.Signals(signum).name)))
+        for signum in early_signals or ():
+            self.events.put(_Signal(signal.Signals(signum).name))
+        begun = self.agent({"op": "run_begin", "command": argv})
+        self.run_key = begun["key"]
+        record = begun.get("record") or {}
+        if record.get("state") == "finished":
+            status = int(record.get("exit_status") or 0)
+            self.say(f"run {begun['index']} ({' '.join(argv)}) finished before the requeue with status "
+                     f"{status}: not running it again")
+            return status
+        threading.Thread(target=self._carry_out, daemon=True).start()
+        state = lifecycle.State()
+        if self.being_preempted():
+            state, actions = lifecycle.step(state, lifecycle.StartFailed("the job is being preempted"))
+        else:
+            actions = []
+            threading.Thread(target=self._launch, args=(argv, record.get("state") == "running"),
+                             daemon=True).start()
+        for action in actions:
+            self.actions.put(action)
+        return self.loop(state)
+
+    def loop(self, state: lifecycle.State) -> int:
+        next_periodic = time.monotonic() + self.interval if self.interval else None
+        requeued_at: float | None = None
+        while True:
+            if state.phase == lifecycle.Phase.REQUEUED:
+                requeued_at = requeued_at or time.monotonic()
+                timeout: float | None = max(0.0, requeued_at + self.requeue_wait_s - time.monotonic())
+            else:
+                timeout = max(0.0, next_periodic - time.monotonic()) if next_periodic else None
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                if state.phase == lifecycle.Phase.REQUEUED:
+                    self.say(f"Slurm did not end the job within {self.requeue_wait_s:.0f}s of its requeue")
+                    return lifecycle.EXIT_LAUNCHER_FAILED
+                event = lifecycle.PeriodicDue()
+                next_periodic = time.monotonic() + self.interval if self.interval else None
+            if isinstance(event, _Exited):
+                return event.code
+            if isinstance(event, _Signal):
+                event = lifecycle.Warning(event.name, event.name != "SIGTERM" or self.being_preempted())
+            before = state.phase
+            state, actions = lifecycle.step(state, event)
+            if state.phase != before:
+                LOG.info("job %s node %s: %s -> %s on %s", self.info.job_id, self.info.node, before,
+                         state.phase, type(event).__name__)
+            for action in actions:
+                self.actions.put(action)
+
+    def _carry_out(self) -> None:
+        """The action runner: one action at a time, in the order decided; outcomes become events."""
+        while True:
+            action = self.actions.get()
+            try:
+                self._act(action)
+            except Exception as exc:  # an action's failure must reach the machine, not kill the thread
+                LOG.exception("action %s failed", action)
+                self.say(f"internal error while carrying out {type(action).__name__}: {exc}")
+
+    def _act(self, action: lifecycle.Action) -> None:
+        if isinstance(action, lifecycle.Say):
+            self.say(action.message)
+        elif isinstance(action, lifecycle.Exit):
+            self.events.put(_Exited(action.code))
+        elif isinstance(action, lifecycle.Checkpoint):
+            timeout = self.grace_s if action.stop else None
+            try:
+                summary = self.checkpoint(action.reason, action.stop, timeout)
+            except LaunchError as exc:
+                self.events.put(lifecycle.CheckpointFailed(str(exc)))
+            else:
+                self.events.put(lifecycle.CheckpointDone(summary))
+        elif isinstance(action, lifecycle.Kill):
+            try:
+                self.every_node("kill", timeout=60)
+            except LaunchError as exc:
+                self.say(f"could not end the job's processes: {exc}")
+        elif isinstance(action, lifecycle.Requeue):
+            self.requeue(action)
+        elif isinstance(action, lifecycle.Answer):
+            result = {"ok": action.ok, "error": action.error, "summary": self.last_summary}
+            try:
+                self.agent({"op": "command_done", "result": result}, timeout=60)
+            except LaunchError as exc:
+                self.say(f"could not answer the request: {exc}")
+        elif isinstance(action, lifecycle.FinishRun):
+            try:
+                self.agent({"op": "run_end", "key": self.run_key, "exit_status": action.exit_status})
+            except LaunchError as exc:
+                self.say(f"could not record the end of this run: {exc}")
+
+    def requeue(self, action: lifecycle.Requeue) -> None:
+        if action.through_slurm:
+            try:
+                ok = SlurmClient(timeout=30).requeue(self.info.job_id)
+            except SingularityError as exc:
+                self.events.put(lifecycle.RequeueFailed(str(exc)))
+                return
+            self.events.put(lifecycle.RequeueDone() if ok else lifecycle.RequeueFailed("Slurm refused"))
+            return
+        try:
+            self.agent({"op": "requeue", "exclude": list(action.exclude)}, timeout=120)
+        except LaunchError as exc:
+            self.events.put(lifecycle.RequeueFailed(str(exc)))
+        else:
+            self.events.put(lifecycle.RequeueDone())
+
+    # --- start, restore, the tree -----------------------------------------------------------------
+
+    def _launch(self, argv: list[str], resume: bool) -> None:
+        try:
+            restored = resume and self.info.restart_count > 0 and self.restore()
+            if not restored:
+                self.start(argv)
+        except LaunchError as exc:
+            self.events.put(lifecycle.StartFailed(str(exc)))
+            return
+        self.events.put(lifecycle.Started(restored))
         threading.Thread(target=self._wait_for_tree, daemon=True).start()
-        if self.info.multi_node:
-            threading.Thread(target=self._poll_commands, daemon=True).start()
-        return self.loop()
+        threading.Thread(target=self._poll_commands, daemon=True).start()
 
     def _poll_commands(self) -> None:
-        """Admin requests that need every node (a migration) reach the batch host's agent; fetch them."""
+        """Admin requests (checkpoint, migrate) reach the batch host's agent; fetch them."""
         while True:
             try:
                 reply = request(self.socket, {"op": "next_command", "timeout": 30}, timeout=60)
@@ -197,16 +429,15 @@ class Launcher:
             if not reply.get("ok"):
                 time.sleep(5)  # an agent that refuses the poll: do not spin
             elif reply.get("command"):
-                self.events.put(("command", reply["command"]))
+                command = reply["command"]
+                self.events.put(lifecycle.Command(str(command.get("op")),
+                                                  tuple(command.get("exclude") or ())))
 
     def proxy_config(self) -> dict | None:
         """The rendezvous of a distributed job's proxies for this start or restore, or None."""
         if self.world_size is None:
             return None
-        if self.info.multi_node:
-            devices = [r["proxies"] for r in self.fanout("devices", timeout=120)]
-        else:
-            devices = [self.agent({"op": "devices"})["proxies"]]
+        devices = [r["proxies"] for r in self.every_node("devices", timeout=120)]
         try:
             placement = place(self.world_size, devices)
         except PlacementError as exc:
@@ -216,21 +447,18 @@ class Launcher:
                 "placement": {str(r): d for r, d in placement.items()}}
 
     def start(self, argv: list[str]) -> None:
-        output = output_target() or str(Path.cwd() / f"singularity-{self.info.job_id}.out")
+        output = self.output or output_target() or str(Path.cwd() / f"singularity-{self.info.job_id}.out")
         env = rank_environment(self.env, self.info)
-        payload: dict[str, Any] = {"cwd": str(Path.cwd()), "output": output}
+        payload: dict[str, Any] = {"cwd": str(Path.cwd()), "output": output, "run": self.run_key}
         proxy = self.proxy_config()
         if proxy is not None:
             env.update(distributed_environment(env, self.world_size or 1))
             payload["proxy"] = proxy
             argv = [sys.executable, "-m", "singularity_slurm.interpose.spawn", "--", *argv]
         payload.update(argv=argv, env=env)
-        if self.info.multi_node:
-            self.fanout("start", payload, timeout=120)
-            where = f" on {len(self.info.nodes)} nodes ({','.join(self.info.nodes)})"
-        else:
-            self.agent({"op": "start", **payload})
-            where = ""
+        self.every_node("start", payload, timeout=120)
+        where = (f" on {len(self.info.nodes)} nodes ({','.join(self.info.nodes)})"
+                 if self.info.multi_node else "")
         ranks = f", {self.world_size} ranks" if self.world_size else ""
         self.say(f"started {' '.join(argv)}{where} (tier {self.info.tier or 'unmanaged'}{ranks})")
 
@@ -239,7 +467,8 @@ class Launcher:
         if self.info.multi_node:
             return self.restore_all_nodes()
         try:
-            reply = self.agent({"op": "restore", "proxy": self.proxy_config()}, timeout=None)
+            reply = self.agent({"op": "restore", "run": self.run_key, "proxy": self.proxy_config()},
+                               timeout=None)
         except LaunchError as exc:
             if "no committed checkpoint" in str(exc):
                 self.say("no committed checkpoint: starting from the beginning")
@@ -248,20 +477,22 @@ class Launcher:
         for refused in reply.get("refused", []):
             self.say(f"checkpoint {refused['seq']} refused: {refused['reason']}")
         self.say(f"restored checkpoint {reply['seq']} ({reply['reason']}, taken on {reply['node']}, "
-                 f"{mib(reply['logical_bytes'])}) in {reply['seconds']:.1f}s")
+                 f"{lifecycle.mib(reply['logical_bytes'])}) in {reply['seconds']:.1f}s")
         return True
 
     def restore_all_nodes(self) -> bool:
         """Restore every node from the newest generation that every node committed and verifies."""
         try:
-            per_node = [set(r["generations"]) for r in self.fanout("generations", timeout=120)]
+            per_node = [set(r["generations"]) for r in self.fanout("generations", {"run": self.run_key},
+                                                                  timeout=120)]
         except LaunchError as exc:
             self.say(f"cannot list the nodes' checkpoints ({exc}): starting from the beginning")
             return False
         common = sorted(set.intersection(*per_node), reverse=True)
         for generation in common:
             try:
-                replies = self.fanout("restore", {"generation": generation, "proxy": self.proxy_config()})
+                replies = self.fanout("restore", {"generation": generation, "run": self.run_key,
+                                                  "proxy": self.proxy_config()})
             except LaunchError as exc:
                 self.say(f"multi-node checkpoint {generation} refused: {exc}")
                 try:
@@ -271,181 +502,61 @@ class Launcher:
                 continue
             logical = sum(r["logical_bytes"] for r in replies)
             self.say(f"restored multi-node checkpoint {generation} on {','.join(self.info.nodes)} "
-                     f"({mib(logical)}) in {max(r['seconds'] for r in replies):.1f}s")
+                     f"({lifecycle.mib(logical)}) in {max(r['seconds'] for r in replies):.1f}s")
             return True
         self.say("no checkpoint that every node committed: starting from the beginning")
         return False
 
     def _wait_for_tree(self) -> None:
-        if self.info.multi_node:
-            try:
-                replies = self.fanout("wait")
-            except LaunchError as exc:
-                self.events.put(("lost", str(exc)))
-                return
-            states = {r.get("state") for r in replies}
-            status = max(int(r.get("exit_status") or 0) for r in replies)
-            state = "dumped" if "dumped" in states else "killed" if "killed" in states else "exited"
-            lost = next((r["proxy_lost"] for r in replies if r.get("proxy_lost")), None)
-            self.events.put(("ended", {"state": state, "exit_status": status, "proxy_lost": lost}))
-            return
         try:
-            reply = request(self.socket, {"op": "wait"}, timeout=None)
-        except (OSError, ValueError) as exc:
-            self.events.put(("lost", str(exc)))
+            replies = self.every_node("wait")
+        except LaunchError as exc:
+            self.events.put(lifecycle.AgentLost(str(exc)))
             return
-        self.events.put(("ended", reply))
+        states = {r.get("state") for r in replies}
+        status = max(int(r.get("exit_status") or 0) for r in replies)
+        state = "dumped" if "dumped" in states else "killed" if "killed" in states else "exited"
+        lost = next((r["proxy_lost"] for r in replies if r.get("proxy_lost")), None)
+        self.events.put(lifecycle.TreeEnded(state, status, lost,
+                                            has_checkpoint=status >= 128 and self.has_checkpoint()))
+
+    def has_checkpoint(self) -> bool:
+        try:
+            if self.info.multi_node:
+                replies = self.fanout("generations", {"run": self.run_key}, timeout=120)
+                return bool(set.intersection(*(set(r["generations"]) for r in replies)))
+            return self.agent({"op": "latest", "run": self.run_key}).get("checkpoint") is not None
+        except LaunchError:
+            return False
 
     def checkpoint(self, reason: str, stop: bool, timeout: float | None) -> dict:
         """Checkpoint the job's processes on every node; one summary."""
+        payload = {"reason": reason, "stop": stop, "run": self.run_key}
         if not self.info.multi_node:
-            return self.agent({"op": "checkpoint", "reason": reason, "stop": stop}, timeout=timeout)
-        generation = f"{self.info.restart_count}.{time.time_ns()}"
-        replies = self.fanout("checkpoint", {"reason": reason, "stop": stop, "generation": generation},
-                              timeout=timeout)
-        cuts = [r["cut_seconds"] for r in replies if r.get("cut_seconds") is not None]
-        return {"seq": generation, "seconds": max(r["seconds"] for r in replies),
-                "cut_seconds": max(cuts) if cuts else None,
-                "logical_bytes": sum(r["logical_bytes"] for r in replies),
-                "new_bytes": sum(r["new_bytes"] for r in replies), "dedup_ratio": None}
-
-    def loop(self) -> int:
-        next_periodic = time.monotonic() + self.interval if self.interval else None
-        while True:
-            timeout = max(0.0, next_periodic - time.monotonic()) if next_periodic else None
-            try:
-                kind, value = self.events.get(timeout=timeout)
-            except queue.Empty:
-                self.periodic_checkpoint()
-                next_periodic = time.monotonic() + self.interval if self.interval else None
-                continue
-            if kind == "signal":
-                if value == "SIGTERM" and not self.being_preempted():
-                    self.say("SIGTERM without a preemption (job cancelled or out of time): not checkpointing")
-                    return 143
-                return self.preempt(value)
-            if kind == "lost":
-                self.say(f"lost the node agent ({value}); requeueing from the last checkpoint")
-                return 1
-            if kind == "ended":
-                return self.ended(value)
-            if kind == "command" and value.get("op") == "migrate":
-                return self.migrate(list(value.get("exclude") or []))
-            if kind == "command" and value.get("op") == "checkpoint":
-                self.manual_checkpoint()
+            summary = self.agent({"op": "checkpoint", **payload}, timeout=timeout)
+        else:
+            generation = f"{self.info.restart_count}.{time.time_ns()}"
+            replies = self.fanout("checkpoint", {**payload, "generation": generation}, timeout=timeout)
+            cuts = [r["cut_seconds"] for r in replies if r.get("cut_seconds") is not None]
+            summary = {"seq": generation, "seconds": max(r["seconds"] for r in replies),
+                       "cut_seconds": max(cuts) if cuts else None,
+                       "logical_bytes": sum(r["logical_bytes"] for r in replies),
+                       "new_bytes": sum(r["new_bytes"] for r in replies), "dedup_ratio": None}
+        self.last_summary = {k: v for k, v in summary.items() if k != "ok"}
+        return summary
 
     def being_preempted(self) -> bool:
-        """Whether a SIGTERM is Slurm preempting the job (it records PreemptTime), not `scancel`.
+        return being_preempted(self.info.job_id)
 
-        SIGTERM is the fallback warning where preemption does not send the user signal; `scancel`
-        and the end of the time limit send it too, and those must not checkpoint and requeue.
-        """
-        try:
-            record = SlurmClient(timeout=10).job(self.info.job_id) or {}
-        except SingularityError:
-            return True  # cannot tell: a needless checkpoint costs less than a lost job
-        return record.get("PreemptTime", "None") not in ("None", "", "Unknown")
 
-    def ended(self, reply: dict) -> int:
-        state, status = reply.get("state"), int(reply.get("exit_status") or 0)
-        if state == "dumped":
-            # Checkpointed to move (singularityctl migrate): Slurm ends this step as it requeues the job.
-            self.say("checkpointed for migration; the job is being requeued")
-            time.sleep(120)
-            return 0
-        if state == "killed":
-            return 137
-        if reply.get("proxy_lost"):
-            self.say(f"device proxy {reply['proxy_lost']} died; requeueing the job to resume from its last "
-                     "checkpoint")
-            self.agent({"op": "requeue"})
-            return 0
-        if status >= 128:
-            try:
-                if self.info.multi_node:
-                    common = set.intersection(*(set(r["generations"])
-                                                for r in self.fanout("generations", timeout=120)))
-                    latest = {"seq": max(common)} if common else None
-                else:
-                    latest = self.agent({"op": "latest"}).get("checkpoint")
-            except LaunchError:
-                latest = None
-            if latest:
-                self.say(f"the job's processes were killed (status {status}); requeueing to resume from "
-                         f"checkpoint {latest['seq']}")
-                self.agent({"op": "requeue"})
-                return 0
-        return status
+@dataclass(frozen=True)
+class _Signal:
+    name: str
 
-    def periodic_checkpoint(self) -> None:
-        try:
-            reply = self.checkpoint("periodic", stop=False, timeout=None)
-        except LaunchError as exc:
-            self.say(f"periodic checkpoint failed, the job continues: {exc}")
-            return
-        self.say(self.describe("periodic checkpoint", reply))
 
-    def describe(self, what: str, reply: dict) -> str:
-        ratio = reply.get("dedup_ratio")
-        cut = reply.get("cut_seconds")
-        return (f"{what} {reply['seq']} committed in {reply['seconds']:.1f}s"
-                + (f" (distributed cut in {cut:.2f}s)" if cut is not None else "") + ": "
-                f"{mib(reply['logical_bytes'])}, {mib(reply['new_bytes'])} stored"
-                + (f" (dedup {ratio:.1f}x)" if ratio else ""))
-
-    def manual_checkpoint(self) -> None:
-        try:
-            reply = self.checkpoint("manual", stop=False, timeout=None)
-        except LaunchError as exc:
-            self.say(f"requested checkpoint failed, the job continues: {exc}")
-            self.agent({"op": "command_done", "result": {"ok": False, "error": str(exc)}})
-            return
-        self.say(self.describe("requested checkpoint", reply))
-        self.agent({"op": "command_done", "result": {"ok": True, "summary": reply}})
-
-    def migrate(self, exclude: list[str]) -> int:
-        """Checkpoint every node (the trees stop), then requeue away from `exclude`."""
-        self.say(f"migration requested (away from {','.join(exclude) or 'nothing'}): checkpointing")
-        try:
-            reply = self.checkpoint("migrate", stop=True, timeout=self.grace_s)
-        except LaunchError as exc:
-            self.agent({"op": "command_done", "result": {"ok": False, "error": str(exc)}})
-            self.say(f"migration checkpoint failed: {exc}; the job resumes from its last good checkpoint")
-            try:
-                self.fanout("kill", timeout=60)
-            except LaunchError:
-                pass
-            self.agent({"op": "requeue"})
-            return 0
-        self.say(self.describe("checkpoint", reply))
-        self.agent({"op": "command_done", "result": {"ok": True, "summary": reply}})
-        time.sleep(1.0)  # the requeue ends the caller's step: let it print its answer first
-        self.agent({"op": "requeue", "exclude": exclude})
-        self.say(f"requeued away from {','.join(exclude)}")
-        return 0
-
-    def preempt(self, signame: str) -> int:
-        self.say(f"preemption warning ({signame}): checkpointing")
-        try:
-            reply = self.checkpoint("preempt", stop=True, timeout=self.grace_s)
-            self.say(self.describe("checkpoint", reply))
-        except LaunchError as exc:
-            self.say(f"checkpoint failed: {exc}; the job resumes from its last good checkpoint")
-            try:
-                if self.info.multi_node:
-                    self.fanout("kill", timeout=60)
-                else:
-                    self.agent({"op": "kill"})
-            except LaunchError:
-                pass
-        try:
-            reply = self.agent({"op": "requeue"})
-            self.say("requeued")
-        except LaunchError as exc:
-            self.say(f"requeue failed: {exc}")
-            return 1
-        return 0
-
+@dataclass(frozen=True)
+class _Exited:
+    code: int
 
 def parse_labelled_replies(stdout: str, tasks: int) -> list[dict | None]:
     """`srun --label` output ("3: {json}") -> one reply per task, None where a task printed none."""

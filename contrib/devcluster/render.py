@@ -59,7 +59,7 @@ class Layout:
 
 
 def preempt_signal_setting(version: SlurmVersion) -> tuple[str, str]:
-    """Key and value that make preemption signal only the batch shell (changed in 23.02)."""
+    """Key and value that make preemption send the job's warning signal (changed in 23.02)."""
     if version < SlurmVersion(23, 2):
         return "SlurmctldParameters", "preempt_send_user_signal"
     return "PreemptParameters", "send_user_signal"

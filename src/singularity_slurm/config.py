@@ -44,8 +44,12 @@ class PreemptionConfig:
 
     @property
     def sbatch_signal(self) -> str:
-        """The `--signal` value the policy adds: to the batch shell only, `warn_time` before the end."""
-        return f"B:{self.signal}@{self.warn_time}"
+        """The `--signal` value the policy adds: to the job's steps, `warn_time` before the end.
+
+        Not `B:` (the batch shell): a shell that is not the launcher dies of it. Without `B:` Slurm
+        signals every job step and never the batch script, and the launcher runs as a step.
+        """
+        return f"{self.signal}@{self.warn_time}"
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,8 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "tiers.<tier>.partition": (None, str, "Slurm partition that runs the tier (default: its name)"),
     "tiers.<tier>.checkpoint_interval_min": (
         None, int, "minutes between periodic checkpoints, 0 = off (premium 0, standard 60, basic 30)"),
-    "preemption.signal": ("USR2", str, "warning signal sent to the batch shell before preemption"),
+    "preemption.signal": ("USR2", str, "warning signal sent to the job's steps (the launcher) before "
+                                       "preemption"),
     "preemption.warn_time": (60, int, "seconds between the warning signal and the kill; keep <= GraceTime"),
     "redis.host": ("127.0.0.1", str, "Redis host of the coordinator"),
     "redis.port": (6379, int, "Redis port"),

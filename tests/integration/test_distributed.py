@@ -75,9 +75,12 @@ def copy_example(jobs, name: str) -> None:
     shutil.chown(jobs.workdir / name, jobs.user)
 
 
-def job_script(sla: str, directives: str, world: int, command: str, options: str = "") -> str:
+def job_script(sla: str, directives: str, world: int, command: str, options: str = "",
+               runner: str | None = None) -> str:
+    """`runner`: what starts the ranks instead of `--world-size N -- python` (torchrun, say)."""
+    runner = runner or f"--world-size {world} {options} -- {PYTHON}"
     return (f"#!/bin/bash\n#SBATCH --singularity-sla={sla}\n{directives}\n#SBATCH -o job.out\n"
-            f"exec {CTL} run --world-size {world} {options} -- {PYTHON} {command} --log-dir logs\n")
+            f"{CTL} run {runner} {command} --log-dir logs\n")
 
 
 def logged_steps(jobs, world: int) -> int:
@@ -179,28 +182,34 @@ def test_ddp_on_two_nodes_survives_two_preemptions_and_a_migration_byte_identica
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
 
 
-def test_slow_rank_zero_still_reaches_a_consistent_cut(jobs, tmp_path):
+def test_torchrun_with_a_slow_rank_zero_still_reaches_a_consistent_cut(jobs, tmp_path):
     args = ["--steps", "40", "--slow-rank", "0", "--slow-sleep", "0.4"]
     reference = reference_logs(tmp_path, "train_ddp.py", args, world=4, per_proxy=4)
     copy_example(jobs, "train_ddp.py")
+    torchrun = Path(CTL).with_name("torchrun")
     job_id = jobs.submit(jobs.script("slow.sh", job_script(
-        "basic", "#SBATCH --gres=gpu:4", 4, f"train_ddp.py {' '.join(args)}")))
+        "basic", "#SBATCH --gres=gpu:4", 4, f"train_ddp.py {' '.join(args)}",
+        runner=f"-- {torchrun} --nproc-per-node=4 --standalone")))
     wait_for_steps(jobs, job_id, 4, 10)
     node = jobs.record(job_id)["NodeList"]
     jobs.wait_state(preempt(jobs, node), "COMPLETED", timeout=240)
     wait_for_text(jobs, job_id, "restored checkpoint")
     jobs.wait_state(job_id, "COMPLETED", timeout=240)
-    assert "distributed cut in" in (jobs.workdir / "job.out").read_text()
+    text = (jobs.workdir / "job.out").read_text()
+    assert "distributed cut in" in text
+    assert f"torchrun runs as: singularityctl run --world-size 4 -- {PYTHON} train_ddp.py" in text
     for rank in range(4):
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
 
 
-def test_two_stage_pipeline_with_send_recv_survives_checkpoint_and_restore(jobs, tmp_path):
+def test_two_stage_pipeline_under_python_m_torch_distributed_run_survives_checkpoint_and_restore(
+        jobs, tmp_path):
     args = ["--steps", "50"]
     reference = reference_logs(tmp_path, "train_pipeline.py", args, world=2, per_proxy=1)
     copy_example(jobs, "train_pipeline.py")
     job_id = jobs.submit(jobs.script("pipe.sh", job_script(
-        "basic", "#SBATCH --nodes=2 --gres=gpu:1", 2, f"train_pipeline.py {' '.join(args)} --sleep 0.3")))
+        "basic", "#SBATCH --nodes=2 --gres=gpu:1", 2, f"train_pipeline.py {' '.join(args)} --sleep 0.3",
+        runner=f"-- {PYTHON} -m torch.distributed.run --nnodes=2 --nproc-per-node=1")))
     wait_for_steps(jobs, job_id, 2, 8)
     jobs.wait_state(preempt(jobs, "n2"), "COMPLETED", timeout=240)
     wait_for_text(jobs, job_id, "restored multi-node checkpoint")

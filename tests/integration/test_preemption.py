@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from conftest import ctl_json
 
-# Takes every GPU of both nodes, records the signal it is warned with, then requeues itself the way
-# the launcher does after a checkpoint.
+# Takes every GPU of both nodes and runs a job step, as the launcher does; the batch shell and the
+# step each record the signal they are warned with, then requeue the job the way the launcher does
+# after a checkpoint.
 VICTIM = """#!/bin/bash
 #SBATCH --singularity-sla=basic
 #SBATCH --nodes=2 --gres=gpu:4
 #SBATCH -o victim-%j.out
-on_signal() { echo "signal $1"; scontrol requeue "$SLURM_JOB_ID"; exit 0; }
-trap 'on_signal USR1' USR1
-trap 'on_signal USR2' USR2
-trap 'on_signal TERM' TERM
+on_signal() { echo "$1 signal $2"; scontrol requeue "$SLURM_JOB_ID"; exit 0; }
+for s in USR1 USR2 TERM; do trap "on_signal batch $s" $s; done
 echo "start restart=${SLURM_RESTART_COUNT:-0}"
-for i in $(seq 1 600); do sleep 1; done
+srun --overlap --nodes=1 --ntasks=1 bash -c '
+on_signal() { echo "$1 signal $2"; scontrol requeue "$SLURM_JOB_ID"; exit 0; }
+for s in USR1 USR2 TERM; do trap "on_signal step $s" $s; done
+echo "step started"
+for i in $(seq 1 600); do sleep 1; done' &
+wait
 """
 
 PREMIUM = """#!/bin/bash
@@ -29,7 +33,7 @@ echo premium; sleep 20
 def _preempt(jobs, *victim_options: str) -> tuple[int, int, str]:
     victim = jobs.submit(jobs.script("victim.sh", VICTIM), *victim_options)
     log = jobs.wait_for_file(f"victim-{victim}.out")
-    jobs.wait(victim, lambda r: "start" in log.read_text(), "started (traps set)")
+    jobs.wait(victim, lambda r: "step started" in log.read_text(), "started (traps set)")
     premium = jobs.submit(jobs.script("premium.sh", PREMIUM))
     jobs.wait_state(premium, "RUNNING", timeout=60)
     record = jobs.wait(victim, lambda r: int(r.get("Restarts", 0)) >= 1, "requeued", timeout=60)
@@ -41,8 +45,9 @@ def _preempt(jobs, *victim_options: str) -> tuple[int, int, str]:
 def test_premium_job_preempts_basic_job_which_gets_the_default_signal_and_is_requeued(jobs):
     victim, premium, output = _preempt(jobs)
     assert "start restart=0" in output
-    assert "signal USR2" in output
-    assert "signal TERM" not in output
+    # The warning goes to the job's steps (the launcher is one), never to the batch shell.
+    assert _first_signal(output) == "step signal USR2"
+    assert "batch signal USR2" not in output
     status = {j["job_id"]: j for j in ctl_json("status")}
     assert status[victim]["tier"] == "basic"
     assert status[victim]["restart_count"] >= 1
@@ -52,5 +57,9 @@ def test_premium_job_preempts_basic_job_which_gets_the_default_signal_and_is_req
 
 def test_a_job_that_sets_its_own_signal_keeps_it(jobs):
     _, _, output = _preempt(jobs, "--signal=B:USR1@15")
-    assert "signal USR1" in output
+    assert _first_signal(output) == "batch signal USR1"
     assert "signal USR2" not in output
+
+
+def _first_signal(output: str) -> str:
+    return next(line for line in output.splitlines() if " signal " in line)

@@ -231,8 +231,8 @@ def test_slurm_22_05_without_preempt_send_user_signal_fails_on_slurmctld_paramet
     assert failed.name == "slurm.conf SlurmctldParameters"
     assert failed.detail == f"SlurmctldParameters={value or '(unset)'}"
     assert failed.fix == (
-        "add preempt_send_user_signal to SlurmctldParameters (so preemption signals only the batch "
-        f"shell, which checkpoints the job) {RESTART}"
+        "add preempt_send_user_signal to SlurmctldParameters (so preemption sends the job's "
+        f"warning signal to the launcher, which checkpoints the job) {RESTART}"
     )
 
 
@@ -245,8 +245,8 @@ def test_slurm_24_11_without_send_user_signal_fails_on_preempt_parameters() -> N
     assert failed.name == "slurm.conf PreemptParameters"
     assert failed.detail == "PreemptParameters=(unset)"
     assert failed.fix == (
-        "add send_user_signal to PreemptParameters (so preemption signals only the batch shell, "
-        f"which checkpoints the job) {RESTART}"
+        "add send_user_signal to PreemptParameters (so preemption sends the job's warning signal to "
+        f"the launcher, which checkpoints the job) {RESTART}"
     )
 
 

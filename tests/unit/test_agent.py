@@ -66,7 +66,7 @@ def test_other_user_is_refused_before_the_op_is_looked_at() -> None:
 
 
 VALID_OPS = ("checkpoint, command_done, devices, generations, kill, latest, launcher_checkpoint, migrate, "
-             "next_command, ping, requeue, restore, start, status, wait")
+             "next_command, ping, requeue, restore, run_begin, run_end, start, status, wait")
 
 
 @pytest.mark.parametrize(("request_", "shown"), [

@@ -67,7 +67,7 @@ def test_default_preemption_warns_with_usr2_sixty_seconds_ahead() -> None:
     config = parse({})
 
     assert config.preemption == PreemptionConfig(signal="USR2", warn_time=60)
-    assert config.preemption.sbatch_signal == "B:USR2@60"
+    assert config.preemption.sbatch_signal == "USR2@60"
 
 
 def test_default_redis_and_paths() -> None:
@@ -121,7 +121,7 @@ def test_signal_is_stored_upper_case_without_sig_prefix(given: str, stored: str)
     config = parse({"preemption": {"signal": given, "warn_time": 30}})
 
     assert config.preemption.signal == stored
-    assert config.preemption.sbatch_signal == f"B:{stored}@30"
+    assert config.preemption.sbatch_signal == f"{stored}@30"
 
 
 @pytest.mark.parametrize("warn_time", [1, 65535])
@@ -204,7 +204,7 @@ def test_signal_that_cannot_be_caught_or_does_not_exist_is_refused(given: str, s
 
 def test_signal_module_constant_that_is_not_a_signal_is_refused() -> None:
     # `signal.SIG_DFL` (like SIG_IGN and SIG_BLOCK) is a handler constant, not a signal: accepted,
-    # it would make every batch job carry `--signal=B:_DFL@60`, which sbatch refuses.
+    # it would make every batch job carry `--signal=_DFL@60`, which sbatch refuses.
     assert config_error({"preemption": {"signal": "SIG_DFL"}}) == (
         "preemption.signal = '_DFL' is not a catchable signal name; use USR1, USR2 or TERM"
     )
@@ -342,7 +342,7 @@ def test_load_reads_the_given_file_and_records_its_source(tmp_path: Path) -> Non
 
     assert config.source == path
     assert config.default_tier == "premium"
-    assert config.preemption.sbatch_signal == "B:USR1@90"
+    assert config.preemption.sbatch_signal == "USR1@90"
 
 
 def test_source_does_not_take_part_in_equality(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_rendered_files_name_their_source(render, tmp_path: Path) -> None:
 def test_cli_filter_carries_the_sbatch_signal() -> None:
     text = render_cli_filter(parse({"preemption": {"signal": "USR1", "warn_time": 120}}))
 
-    assert 'local SIGNAL = "B:USR1@120"' in text.splitlines()
+    assert 'local SIGNAL = "USR1@120"' in text.splitlines()
 
 
 @pytest.mark.parametrize("partition", ['gp"u', "gp\\u", "gp\nu"])
@@ -455,7 +455,7 @@ def test_batch_job_without_its_own_signal_gets_the_warning_signal(
     run = pre_submit(tmp_path, parse({}), {"type": "sbatch", "signal": signal})
 
     assert run.rc == SUCCESS
-    assert run.fields["signal"] == "B:USR2@60"
+    assert run.fields["signal"] == "USR2@60"
 
 
 @needs_lua
@@ -464,7 +464,7 @@ def test_warning_signal_follows_the_configuration(tmp_path: Path) -> None:
 
     run = pre_submit(tmp_path, config, {"type": "sbatch"})
 
-    assert run.fields["signal"] == "B:TERM@300"
+    assert run.fields["signal"] == "TERM@300"
 
 
 @needs_lua

@@ -1,0 +1,338 @@
+"""The launcher's decisions: a pure state machine, (state, event) -> (state, actions).
+
+`singularityctl run` reacts to a handful of things: the tree it started or restored, Slurm's warning
+signal, commands from admins (checkpoint, migrate), the periodic checkpoint timer, the outcome of the
+checkpoints and requeues it asked for, and the loss of its node agent. `step` decides what to do
+about each; `slurm_plugin.launcher` carries the actions out and feeds their outcomes back as
+events. Nothing here sleeps, reads a clock or does I/O, so every transition is a unit test.
+
+The job's phases:
+
+    STARTING      -> RUNNING (Started)             | REQUEUEING (StartFailed, or a warning came first)
+    RUNNING       -> CHECKPOINTING (periodic, manual)
+                  -> STOPPING (warning, migrate)   -> REQUEUEING (checkpoint committed or failed)
+                  -> FINISHED (the command ended)  | REQUEUEING (killed after a checkpoint, proxy lost)
+    CHECKPOINTING -> RUNNING (done or failed)      | STOPPING (a warning arrived meanwhile)
+    REQUEUEING    -> REQUEUED (Slurm took the requeue: the launcher waits to be ended with the job)
+                  -> FINISHED (the requeue failed: exit non-zero, saying why)
+
+A requeue ends every step and the batch script; the launcher never exits on its own after asking
+for one, so the lines after `singularityctl run` in the batch script do not run for a job that is
+leaving its nodes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+EXIT_SIGTERM = 143
+EXIT_KILLED = 137
+EXIT_LAUNCHER_FAILED = 1
+
+
+class Phase(enum.StrEnum):
+    """Where the launcher is in the job's life (transitions: see the module docstring)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    STOPPING = "stopping"
+    REQUEUEING = "requeueing"
+    REQUEUED = "requeued"
+    FINISHED = "finished"
+
+
+# --- events ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    """The tree runs: started fresh, or restored from a checkpoint."""
+
+    restored: bool
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    error: str
+
+
+@dataclass(frozen=True)
+class Warning:
+    """Slurm's warning signal (or SIGTERM). `preempting`: Slurm records a preemption of the job.
+
+    SIGUSR1/SIGUSR2 come only from the `--signal` the policy set: a preemption or the end of the
+    time limit, both of which should checkpoint and requeue. SIGTERM is also how `scancel` and the
+    time limit end a job; only a recorded preemption makes it a warning.
+    """
+
+    signal: str
+    preempting: bool = True
+
+
+@dataclass(frozen=True)
+class TreeEnded:
+    """The job's processes ended. `state`: exited | killed | dumped (as the node agents report)."""
+
+    state: str
+    exit_status: int
+    proxy_lost: str | None = None
+    has_checkpoint: bool = False
+
+
+@dataclass(frozen=True)
+class AgentLost:
+    error: str
+
+
+@dataclass(frozen=True)
+class PeriodicDue:
+    pass
+
+
+@dataclass(frozen=True)
+class Command:
+    """An admin request relayed by the node agent: op is "checkpoint" or "migrate"."""
+
+    op: str
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CheckpointDone:
+    summary: dict = field(hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class CheckpointFailed:
+    error: str
+
+
+@dataclass(frozen=True)
+class RequeueDone:
+    pass
+
+
+@dataclass(frozen=True)
+class RequeueFailed:
+    error: str
+
+
+Event = (Started | StartFailed | Warning | TreeEnded | AgentLost | PeriodicDue | Command | CheckpointDone
+         | CheckpointFailed | RequeueDone | RequeueFailed)
+
+
+# --- actions --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Say:
+    message: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    reason: str  # periodic | manual | preempt | migrate
+    stop: bool
+
+
+@dataclass(frozen=True)
+class Kill:
+    """End the tree on every node (nothing is saved)."""
+
+
+@dataclass(frozen=True)
+class Requeue:
+    exclude: tuple[str, ...] = ()
+    through_slurm: bool = False  # the agent is gone: ask Slurm directly, as the job's user
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The outcome of the admin command being carried out."""
+
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishRun:
+    """The command ended by itself: record its exit status, so a requeued script skips this run."""
+
+    exit_status: int
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+
+
+Action = Say | Checkpoint | Kill | Requeue | Answer | FinishRun | Exit
+
+
+# --- state ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class State:
+    phase: Phase = Phase.STARTING
+    stop_pending: str | None = None  # a warning that came while starting or checkpointing
+    ended: TreeEnded | None = None  # the tree ended during a leave-running checkpoint
+    checkpoint_reason: str | None = None  # the checkpoint in flight
+    command: Command | None = None  # the admin command in flight
+    exclude: tuple[str, ...] = ()  # nodes a migration leaves
+
+
+def _requeue(state: State, why: str, exclude: tuple[str, ...] = ()) -> tuple[State, list[Action]]:
+    return (replace(state, phase=Phase.REQUEUEING, checkpoint_reason=None),
+            [Say(why), Requeue(exclude)])
+
+
+def _stop(state: State, reason: str, signame: str | None = None) -> tuple[State, list[Action]]:
+    what = f"preemption warning ({signame})" if signame else f"{reason} requested"
+    return (replace(state, phase=Phase.STOPPING, stop_pending=None, checkpoint_reason=reason),
+            [Say(f"{what}: checkpointing"), Checkpoint(reason, stop=True)])
+
+
+def _tree_ended(state: State, event: TreeEnded) -> tuple[State, list[Action]]:
+    if event.state == "dumped":
+        # Checkpointed and stopped by someone else (an agent answering a migration on its own).
+        return replace(state, phase=Phase.REQUEUED), [Say("checkpointed for migration; the job is being "
+                                                          "requeued")]
+    if event.state == "killed":
+        return replace(state, phase=Phase.FINISHED), [Exit(EXIT_KILLED)]
+    if event.proxy_lost:
+        return _requeue(state, f"device proxy {event.proxy_lost} died; requeueing the job to resume from "
+                               "its last checkpoint")
+    if event.exit_status >= 128 and event.has_checkpoint:
+        return _requeue(state, f"the job's processes were killed (status {event.exit_status}); requeueing "
+                               "to resume from the last checkpoint")
+    return (replace(state, phase=Phase.FINISHED),
+            [FinishRun(event.exit_status), Exit(event.exit_status)])
+
+
+def step(state: State, event: Event) -> tuple[State, list[Action]]:
+    """The launcher's whole decision table."""
+    phase = state.phase
+
+    if isinstance(event, Warning):
+        if not event.preempting:
+            if phase in (Phase.REQUEUEING, Phase.REQUEUED, Phase.FINISHED):
+                return state, []
+            return (replace(state, phase=Phase.FINISHED),
+                    [Say(f"{event.signal} without a preemption (job cancelled or out of time): "
+                         "not checkpointing"), Exit(EXIT_SIGTERM)])
+        if phase == Phase.RUNNING:
+            return _stop(state, "preempt", event.signal)
+        if phase in (Phase.STARTING, Phase.CHECKPOINTING):
+            # The agent cannot dump a tree that is being started, restored or dumped: stop after.
+            return (replace(state, stop_pending=event.signal),
+                    [Say(f"preemption warning ({event.signal}) while {phase}: stopping once that ends")])
+        return state, []  # already stopping or leaving
+
+    if isinstance(event, Started):
+        if state.stop_pending:
+            # Nothing new since the checkpoint it came from (or since the beginning): no dump needed.
+            return (replace(state, phase=Phase.REQUEUEING, stop_pending=None),
+                    [Say("preempted while starting: the job resumes from its last checkpoint"), Kill(),
+                     Requeue()])
+        return replace(state, phase=Phase.RUNNING), []
+
+    if isinstance(event, StartFailed):
+        return _requeue(replace(state, stop_pending=None), f"{event.error}; requeueing the job")
+
+    if isinstance(event, PeriodicDue):
+        if phase != Phase.RUNNING:
+            return state, []
+        return (replace(state, phase=Phase.CHECKPOINTING, checkpoint_reason="periodic"),
+                [Checkpoint("periodic", stop=False)])
+
+    if isinstance(event, Command):
+        if phase != Phase.RUNNING:
+            return state, [Answer(False, f"the job is {phase}; try again once it runs")]
+        if event.op == "migrate":
+            away = ",".join(event.exclude) or "nothing"
+            new, actions = _stop(replace(state, command=event, exclude=event.exclude), "migrate")
+            return new, [Say(f"migration requested (away from {away}): checkpointing"), *actions[1:]]
+        if event.op == "checkpoint":
+            return (replace(state, phase=Phase.CHECKPOINTING, command=event, checkpoint_reason="manual"),
+                    [Checkpoint("manual", stop=False)])
+        return state, [Answer(False, f"unknown command {event.op!r}; valid: checkpoint, migrate")]
+
+    if isinstance(event, CheckpointDone | CheckpointFailed):
+        return _checkpoint_outcome(state, event)
+
+    if isinstance(event, TreeEnded):
+        if phase in (Phase.STOPPING, Phase.REQUEUEING, Phase.REQUEUED, Phase.FINISHED):
+            return state, []  # the stop-dump ends the tree; a requeue ends it too
+        if phase == Phase.CHECKPOINTING:
+            return replace(state, ended=event), []  # decided once the checkpoint's outcome is known
+        return _tree_ended(state, event)
+
+    if isinstance(event, AgentLost):
+        if phase in (Phase.REQUEUED, Phase.FINISHED):
+            return state, []
+        return (replace(state, phase=Phase.REQUEUEING),
+                [Say(f"lost the node agent ({event.error}); requeueing from the last checkpoint"),
+                 Requeue(through_slurm=True)])
+
+    if isinstance(event, RequeueDone):
+        if phase != Phase.REQUEUEING:
+            return state, []
+        return replace(state, phase=Phase.REQUEUED), [Say("requeued" + (
+            f" away from {','.join(state.exclude)}" if state.exclude else ""))]
+
+    if isinstance(event, RequeueFailed):
+        return (replace(state, phase=Phase.FINISHED),
+                [Say(f"requeue failed: {event.error}"), Exit(EXIT_LAUNCHER_FAILED)])
+
+    raise TypeError(f"not a launcher event: {event!r}")
+
+
+def _checkpoint_outcome(state: State, event: CheckpointDone | CheckpointFailed) -> tuple[State, list[Action]]:
+    ok = isinstance(event, CheckpointDone)
+    reason = state.checkpoint_reason
+    if state.phase == Phase.STOPPING:
+        actions: list[Action] = []
+        if state.command is not None:
+            actions.append(Answer(True) if ok else Answer(False, event.error))  # type: ignore[union-attr]
+        if ok:
+            actions.append(Say(describe("checkpoint", event.summary)))  # type: ignore[union-attr]
+        else:
+            actions += [Say(f"{'migration ' if reason == 'migrate' else ''}checkpoint failed: "
+                            f"{event.error}; the job resumes from its last good checkpoint"),  # type: ignore[union-attr]
+                        Kill()]
+        new = replace(state, phase=Phase.REQUEUEING, command=None, checkpoint_reason=None)
+        return new, [*actions, Requeue(state.exclude if ok else ())]
+    if state.phase != Phase.CHECKPOINTING:
+        return state, []
+    what = "requested checkpoint" if reason == "manual" else "periodic checkpoint"
+    actions = []
+    if state.command is not None:
+        actions.append(Answer(True) if ok else Answer(False, event.error))  # type: ignore[union-attr]
+    actions.append(Say(describe(what, event.summary) if ok  # type: ignore[union-attr]
+                       else f"{what} failed, the job continues: {event.error}"))  # type: ignore[union-attr]
+    back = replace(state, phase=Phase.RUNNING, command=None, checkpoint_reason=None, ended=None)
+    if state.ended is not None:
+        new, more = _tree_ended(back, replace(state.ended, has_checkpoint=state.ended.has_checkpoint or ok))
+        return new, [*actions, *more]
+    if state.stop_pending:
+        new, more = _stop(back, "preempt", state.stop_pending)
+        return new, [*actions, *more]
+    return back, actions
+
+
+def mib(n: int | None) -> str:
+    return f"{(n or 0) / (1 << 20):.1f} MiB"
+
+
+def describe(what: str, summary: dict) -> str:
+    """One line about a committed checkpoint, for the job's output."""
+    ratio = summary.get("dedup_ratio")
+    cut = summary.get("cut_seconds")
+    seconds = summary.get("seconds") or 0.0
+    return (f"{what} {summary.get('seq')} committed in {seconds:.1f}s"
+            + (f" (distributed cut in {cut:.2f}s)" if cut is not None else "") + ": "
+            f"{mib(summary.get('logical_bytes'))}, {mib(summary.get('new_bytes'))} stored"
+            + (f" (dedup {ratio:.1f}x)" if ratio else ""))
