@@ -36,3 +36,14 @@ def job_checkpoints(job_id: int | str) -> str:
 def job_rendezvous(job_id: int | str, generation: str) -> str:
     """Hash: one rendezvous generation of a job's proxies (`proxy:<id>` -> [host, port], `token`)."""
     return f"{PREFIX}:job:{job_id}:rdzv:{generation}"
+
+
+def job_requests(job_id: int | str) -> str:
+    """List: admin requests for the job's node agent on its batch host, each a munge credential
+    (see `commands`); short-lived."""
+    return f"{PREFIX}:job:{job_id}:requests"
+
+
+def job_reply(job_id: int | str, request_id: str) -> str:
+    """List: the node agent's JSON answer to one admin request; short-lived."""
+    return f"{PREFIX}:job:{job_id}:reply:{request_id}"

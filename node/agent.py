@@ -1,9 +1,12 @@
 """The node agent: one per job per node, started by Prolog as root, stopped by Epilog.
 
 It listens on a unix socket in the job's node-local folder and answers JSON requests, one per line.
-Callers are identified by SO_PEERCRED: only root and the job's own user are served. The agent owns the
-job's process tree on this node: it starts it (as the job's user, in its own PID and mount namespace),
-checkpoints it with CRIU into the store, restores it from the store, and reports how it ended.
+Callers are identified by SO_PEERCRED: only root and the job's own user are served. On the job's
+batch host a thread also takes root's and operators' `checkpoint` and `migrate` requests through
+Redis, authenticated by munge (`coordinator.commands`), since Slurm lets nobody else start steps in a
+user's job. The agent owns the job's process tree on this node: it starts it (as the job's user, in
+its own PID and mount namespace), checkpoints it with CRIU into the store, restores it from the
+store, and reports how it ended.
 
 Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error": "..."}`:
   ping                                   liveness and identity
@@ -56,9 +59,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from singularity_slurm.node import runs, services
+
+if TYPE_CHECKING:
+    from singularity_slurm.config import Config
+    from singularity_slurm.coordinator.commands import CommandServer
+    from singularity_slurm.slurm_plugin.slurm import SlurmClient
 
 MAX_REQUEST = 1 << 20
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
@@ -126,6 +134,11 @@ class AgentState:
         _CALL.after_reply = after_reply
         if not authorized(peer_uid, self.job_uid):
             return {"ok": False, "error": f"uid {peer_uid} may not act on job {self.job_id}"}
+        return self.dispatch(request)
+
+    def dispatch(self, request: dict) -> dict:
+        """Carry out a request whose caller is already authorised (by SO_PEERCRED in `handle`, or by
+        munge for admin requests through Redis, see `coordinator.commands`)."""
         op = request.get("op")
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
@@ -565,9 +578,29 @@ def main(argv: list[str] | None = None) -> int:
 
         engine = CheckpointEngine.from_config(args.node, args.socket.parent)
         cut_timeout = float(engine.config.proxy.cut_timeout)
-    serve(args.socket, AgentState(args.job_id, args.uid, args.node, engine, run_dir=args.socket.parent,
-                                  cut_timeout=cut_timeout))
+    state = AgentState(args.job_id, args.uid, args.node, engine, run_dir=args.socket.parent,
+                       cut_timeout=cut_timeout)
+    commands = admin_commands(state, engine.config, engine.slurm) if engine is not None else None
+    if commands is not None:
+        commands.start()
+    try:
+        serve(args.socket, state)
+    finally:
+        if commands is not None:
+            commands.stop()
     return 0
+
+
+def admin_commands(state: AgentState, config: Config, slurm: SlurmClient) -> CommandServer:
+    """The thread that takes root's and operators' requests through Redis (on the batch host only:
+    Slurm's record of the job says which node that is)."""
+    from singularity_slurm.coordinator.commands import BLOCK_S, CommandServer
+    from singularity_slurm.coordinator.registry import connect
+
+    return CommandServer(state, job_id=state.job_id, job_uid=state.job_uid, node=state.node,
+                         operators=config.admin.operators,
+                         connect=lambda: connect(config.redis, timeout=BLOCK_S + 10),
+                         locate=lambda: slurm.job(state.job_id))
 
 
 if __name__ == "__main__":

@@ -164,7 +164,8 @@ def checkpoint(config_path: Path | None, job_id: int, as_json: bool) -> None:
     """Checkpoint a running job now; it keeps running.
 
     The checkpoint is committed to the store like a periodic one: after a failure the job resumes
-    from it. Only the job's owner (and root) may checkpoint it.
+    from it. Only the job's owner, root and the operators named in the configuration's
+    `[admin] operators` may checkpoint it (root and operators: through Redis, signed by munge).
     """
     from .jobctl import JobControl
 
@@ -191,7 +192,9 @@ def migrate(config_path: Path | None, job_id: int, exclude: str | None, no_wait:
             as_json: bool) -> None:
     """Move a running job to other nodes: checkpoint, requeue away from the excluded nodes, restore.
 
-    The job resumes exactly where it stopped. Only the job's owner (and root) may migrate it.
+    The job resumes exactly where it stopped. Only the job's owner, root and the operators named in
+    the configuration's `[admin] operators` may migrate it (root and operators: through Redis, signed
+    by munge).
     """
     from .jobctl import JobControl
 

@@ -1,14 +1,17 @@
 """`singularityctl checkpoint|migrate JOBID`: act on a running job through its node agent.
 
-The request travels as a job step (`srun --jobid=J --overlap`) to the job's batch node, where it
-talks to the job's node agent over its unix socket. Slurm lets a user start steps only in their own
-jobs, and the agent serves only the job's user and root (SO_PEERCRED), so nobody acts on another
-user's job; the checks below exist to say so clearly before anything is sent.
+The owner's request travels as a job step (`srun --jobid=J --overlap`) to the job's batch node, where
+it talks to the job's node agent over its unix socket; Slurm lets a user start steps only in their own
+jobs, and the agent serves only the job's user and root (SO_PEERCRED). Slurm refuses root's and
+anyone else's steps in another user's job, so root and the operators named in `[admin] operators` go
+through Redis instead, with the request signed by munge (`coordinator.commands`); the agent checks
+the signer itself. The checks below exist to say clearly, before anything is sent, who may do what.
 """
 
 from __future__ import annotations
 
 import json
+import pwd
 import subprocess
 import sys
 import time
@@ -17,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from singularity_slurm.config import Config
-from singularity_slurm.errors import SingularityError
+from singularity_slurm.coordinator.commands import CommandClient, new_request
+from singularity_slurm.coordinator.registry import connect
+from singularity_slurm.errors import CommandChannelError, ConfigError, RegistryError, SingularityError
 
 from .slurm import SlurmClient, expand_hostlist, parse_user
 
@@ -27,13 +32,13 @@ class JobControlError(SingularityError):
 
 
 def check_target(record: dict[str, str] | None, job_id: int, caller_uid: int, config: Config,
-                 action: str) -> dict[str, str]:
-    """Refuse anything but a running, managed job of the caller (or any job for root)."""
+                 action: str, caller_name: str | None = None) -> dict[str, str]:
+    """Refuse anything but a running, managed job of the caller (any job for root and operators)."""
     if record is None:
         raise JobControlError(f"no job {job_id}: Slurm does not know it (finished jobs are forgotten "
                               "after MinJobAge)")
     user, uid = parse_user(record.get("UserId", ""))
-    if caller_uid != 0 and uid != caller_uid:
+    if uid != caller_uid and not config.admin.is_admin(caller_uid, caller_name):
         raise JobControlError(f"job {job_id} belongs to {user}: you can only {action} your own jobs")
     state = record.get("JobState")
     if state != "RUNNING":
@@ -64,35 +69,75 @@ def parse_agent_reply(stdout: str, stderr: str) -> dict[str, Any]:
     raise JobControlError(f"no answer from the job's node agent: {stderr.strip() or stdout.strip()}")
 
 
+def user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 class JobControl:
     def __init__(self, config: Config, slurm: SlurmClient, caller_uid: int,
-                 say: Callable[[str], None] = print, ctl: str | None = None):
+                 say: Callable[[str], None] = print, ctl: str | None = None,
+                 caller_name: str | None = None, channel: Callable[[], CommandClient] | None = None):
         self.config = config
         self.slurm = slurm
         self.caller_uid = caller_uid
+        self.caller_name = caller_name if caller_name is not None else user_name(caller_uid)
         self.say = say
         self.ctl = ctl or str(Path(sys.executable).with_name("singularityctl"))
+        self.channel = channel or self._connect
 
-    def _call(self, record: dict[str, str], op: str, args: dict[str, Any]) -> dict[str, Any]:
-        job_id = int(record["JobId"])
-        argv = agent_call_argv(self.ctl, job_id, record["BatchHost"], op, args)
+    def _check(self, job_id: int, action: str) -> dict[str, str]:
+        return check_target(self.slurm.job(job_id), job_id, self.caller_uid, self.config, action,
+                            self.caller_name)
+
+    def _owner(self, record: dict[str, str]) -> bool:
+        return parse_user(record.get("UserId", ""))[1] == self.caller_uid
+
+    def _step(self, record: dict[str, str], op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The owner's way: a job step on the batch host talks to the agent's socket."""
+        argv = agent_call_argv(self.ctl, int(record["JobId"]), record["BatchHost"], op, args)
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-        reply = parse_agent_reply(proc.stdout, proc.stderr)
+        return self._answer(record, parse_agent_reply(proc.stdout, proc.stderr))
+
+    def _through_redis(self, record: dict[str, str], op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Root's and operators' way: a munge-signed request through Redis (the agent checks the signer)."""
+        request = new_request(int(record["JobId"]), op, args)
+        reply = self.channel().send(request, where=record["BatchHost"], say=self.say)
+        return self._answer(record, reply)
+
+    def _answer(self, record: dict[str, str], reply: dict[str, Any]) -> dict[str, Any]:
         if not reply.get("ok"):
-            raise JobControlError(f"job {job_id}: {reply.get('error')}")
+            raise JobControlError(f"job {record['JobId']}: {reply.get('error')}")
         return reply
 
+    def _connect(self) -> CommandClient:
+        redis_config = self.config.redis
+        try:
+            return CommandClient(connect(redis_config, timeout=10))
+        except ConfigError as exc:
+            raise CommandChannelError(
+                f"cannot read the Redis password file {redis_config.password_file}, through which root and "
+                "operators act on other users' jobs: ask the admin for group read access (admin guide, "
+                "\"Operators\")") from exc
+        except RegistryError as exc:
+            raise CommandChannelError(f"{exc} (root and operators act on other users' jobs through "
+                                      "Redis)") from exc
+
     def checkpoint(self, job_id: int) -> dict[str, Any]:
-        record = check_target(self.slurm.job(job_id), job_id, self.caller_uid, self.config, "checkpoint")
+        record = self._check(job_id, "checkpoint")
         nodes = expand_hostlist(record.get("NodeList", ""))
         where = ",".join(nodes) or record["BatchHost"]
         self.say(f"checkpointing job {job_id} on {where} (it keeps running)...")
+        if not self._owner(record):
+            return self._through_redis(record, "checkpoint", {})
         if len(nodes) > 1:  # only the job's launcher can checkpoint every node
-            return self._call(record, "launcher_checkpoint", {})
-        return self._call(record, "checkpoint", {"reason": "manual", "stop": False})
+            return self._step(record, "launcher_checkpoint", {})
+        return self._step(record, "checkpoint", {"reason": "manual", "stop": False})
 
     def migrate(self, job_id: int, exclude: list[str] | None, wait: float = 180.0) -> dict[str, Any]:
-        record = check_target(self.slurm.job(job_id), job_id, self.caller_uid, self.config, "migrate")
+        record = self._check(job_id, "migrate")
         nodes = expand_hostlist(record.get("NodeList", ""))
         exclude = exclude or nodes
         unknown = sorted(set(exclude) - set(self.slurm.nodes()))
@@ -100,7 +145,8 @@ class JobControl:
             raise JobControlError(f"--exclude names unknown node(s) {', '.join(unknown)}")
         restarts = int(record.get("Restarts", 0) or 0)
         self.say(f"migrating job {job_id} away from {','.join(exclude)}: checkpointing...")
-        reply = self._call(record, "migrate", {"exclude": exclude})
+        call = self._step if self._owner(record) else self._through_redis
+        reply = call(record, "migrate", {"exclude": exclude})
         self.say(f"checkpoint {reply['seq']} committed in {reply['seconds']:.1f}s; job requeued")
         if wait <= 0:
             return reply

@@ -8,6 +8,7 @@ never silently falls back to a default.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import tomllib
 from dataclasses import dataclass, field
@@ -87,6 +88,15 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    operators: tuple[str, ...] = ()  # user names that may checkpoint and migrate any job, like root
+
+    def is_admin(self, uid: int, user: str | None) -> bool:
+        """Root, or a user named in `operators` (the name of the caller's uid, from the passwd database)."""
+        return uid == 0 or (user is not None and user in self.operators)
+
+
+@dataclass(frozen=True)
 class Config:
     default_tier: str
     tiers: dict[str, TierConfig]
@@ -94,6 +104,7 @@ class Config:
     redis: RedisConfig
     paths: PathsConfig
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
     source: Path | None = field(default=None, compare=False)
 
     def tier(self, name: str) -> TierConfig:
@@ -132,11 +143,15 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "proxy.backend": ("host", str, "device backend of the device proxies (host: CPU memory)"),
     "proxy.cpu_slots": (1, int, "device proxies per node for a job without GPUs"),
     "proxy.cut_timeout": (60, int, "seconds a checkpoint waits for the distributed cut; keep < warn_time"),
+    "admin.operators": ([], list, "user names that may checkpoint and migrate any user's job, like root "
+                        "(they need read access to redis.password_file)"),
 }
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
-_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy"}
+_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
+_USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
+"""A POSIX user name (as useradd accepts it); `root` needs no entry."""
 
 
 def _valid(keys: set[str] | list[str]) -> str:
@@ -233,6 +248,13 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     if not 1 <= proxy.cut_timeout <= 3600:
         raise ConfigError(f"proxy.cut_timeout must be 1..3600 seconds, got {proxy.cut_timeout}")
 
+    admin_raw = data.get("admin", {})
+    _check_keys(admin_raw, {"operators"}, "admin")
+    operators = _take(admin_raw, "operators", "admin", list, KEYS["admin.operators"][0])
+    for name in operators:
+        if not isinstance(name, str) or not _USER_NAME.fullmatch(name):
+            raise ConfigError(f"admin.operators must list user names, got {name!r}")
+
     return Config(
         default_tier=default_tier,
         tiers=tiers,
@@ -247,6 +269,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         paths=PathsConfig(state_dir=path("state_dir"), store_root=path("store_root"),
                           prefix=path("prefix")),
         proxy=proxy,
+        admin=AdminConfig(operators=tuple(operators)),
         source=source,
     )
 

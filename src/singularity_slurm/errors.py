@@ -27,6 +27,10 @@ class RegistryError(SingularityError):
     """The Redis registry is unreachable, refuses our credentials, or holds a malformed record."""
 
 
+class CommandChannelError(SingularityError):
+    """An admin's request could not reach a job's node agent through Redis, or got no answer."""
+
+
 class ServiceError(SingularityError):
     """A per-job node service could not be started or stopped."""
 

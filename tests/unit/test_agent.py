@@ -560,3 +560,18 @@ def test_migrate_with_a_bad_exclude_is_refused_before_the_launcher_sees_it(exclu
     assert state.handle({"op": "migrate", "exclude": exclude}, JOB_UID) == {
         "ok": False, "error": "migrate: exclude must be a list of node names"}
     assert state.commands.empty()
+
+
+def test_the_agent_takes_admin_requests_with_the_configured_operators_and_slurms_record() -> None:
+    from singularity_slurm.config import parse
+    from singularity_slurm.node.agent import admin_commands
+
+    asked = []
+    slurm = SimpleNamespace(job=lambda job_id: asked.append(job_id) or {"BatchHost": "n9"})
+    state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
+
+    commands = admin_commands(state, parse({"admin": {"operators": ["ops"]}}), slurm)
+
+    assert (commands.state, commands.job_id, commands.job_uid, commands.node, commands.operators) == (
+        state, 7, JOB_UID, "n9", ("ops",))
+    assert commands.locate() == {"BatchHost": "n9"} and asked == [7]

@@ -12,6 +12,7 @@ from singularity_slurm.config import (
     CONFIG_ENV,
     KEYS,
     TIERS,
+    AdminConfig,
     Config,
     PreemptionConfig,
     ProxyConfig,
@@ -134,7 +135,7 @@ def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
 
 def test_unknown_top_level_section_lists_valid_sections() -> None:
     assert config_error({"tier": {}}) == (
-        "unknown key(s) in [top level]: tier; valid keys: paths, preemption, proxy, redis, tiers"
+        "unknown key(s) in [top level]: tier; valid keys: admin, paths, preemption, proxy, redis, tiers"
     )
 
 
@@ -502,3 +503,47 @@ def test_proxy_value_of_the_wrong_type_is_refused(data: dict, message: str) -> N
 
 def test_proxy_section_that_is_not_a_table_is_refused() -> None:
     assert config_error({"proxy": "host"}) == "[proxy] must be a table"
+
+
+# --- the [admin] section --------------------------------------------------------------------------
+
+
+def test_by_default_only_root_is_an_admin() -> None:
+    admin = parse({}).admin
+
+    assert admin == AdminConfig(operators=())
+    assert KEYS["admin.operators"][0] == []
+    assert admin.is_admin(0, "root") is True
+    assert admin.is_admin(1001, "alice") is False
+
+
+def test_operators_are_admins_by_user_name() -> None:
+    admin = parse({"admin": {"operators": ["ops", "bob.smith", "svc_1"]}}).admin
+
+    assert admin.operators == ("ops", "bob.smith", "svc_1")
+    assert admin.is_admin(1002, "ops") is True
+    assert admin.is_admin(1001, "alice") is False
+    assert admin.is_admin(1003, None) is False
+
+
+def test_the_documented_example_names_no_operator() -> None:
+    example = Path(__file__).parents[2] / "contrib" / "config" / "config.toml"
+
+    assert load(example).admin == AdminConfig(operators=())
+
+
+def test_unknown_admin_key_lists_valid_keys() -> None:
+    assert config_error({"admin": {"operator": ["ops"]}}) == (
+        "unknown key(s) in [admin]: operator; valid keys: operators"
+    )
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"admin": {"operators": "ops"}}, "admin.operators must be list, got 'ops' (str)"),
+    ({"admin": {"operators": [1001]}}, "admin.operators must list user names, got 1001"),
+    ({"admin": {"operators": ["ops,bob"]}}, "admin.operators must list user names, got 'ops,bob'"),
+    ({"admin": {"operators": [""]}}, "admin.operators must list user names, got ''"),
+    ({"admin": "ops"}, "[admin] must be a table"),
+])
+def test_operators_that_are_not_user_names_are_refused(data: dict, message: str) -> None:
+    assert config_error(data) == message

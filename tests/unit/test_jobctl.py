@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from singularity_slurm import errors
 from singularity_slurm.config import parse
+from singularity_slurm.coordinator.commands import Request
 from singularity_slurm.node.release import exclude_argv, release_when_pending
+from singularity_slurm.slurm_plugin import jobctl
 from singularity_slurm.slurm_plugin.jobctl import (
+    JobControl,
     JobControlError,
     agent_call_argv,
     check_target,
@@ -25,6 +31,16 @@ def test_a_running_managed_job_of_the_caller_is_accepted():
 
 def test_root_may_act_on_any_job():
     assert check_target(dict(RUNNING), 7, 0, CONFIG, "checkpoint") == RUNNING
+
+
+def test_an_operator_may_act_on_any_job_and_a_namesake_uid_does_not_matter():
+    config = parse({"admin": {"operators": ["ops"]}})
+
+    assert check_target(dict(RUNNING), 7, 1500, config, "migrate", caller_name="ops") == RUNNING
+    with pytest.raises(JobControlError, match="job 7 belongs to alice: you can only migrate your own jobs"):
+        check_target(dict(RUNNING), 7, 1500, CONFIG, "migrate", caller_name="ops")
+    with pytest.raises(JobControlError, match="job 7 belongs to alice: you can only migrate your own jobs"):
+        check_target(dict(RUNNING), 7, 1002, config, "migrate", caller_name="bob")
 
 
 @pytest.mark.parametrize(("record", "uid", "message"), [
@@ -119,3 +135,113 @@ def test_the_helper_gives_up_when_the_job_never_comes_back():
 def test_a_job_slurm_forgot_is_not_waited_for():
     slurm = FakeSlurm([None])
     assert release_when_pending(slurm, 7, 0, sleep=_no_sleep) is False
+
+
+# --- who takes which way to the agent -------------------------------------------------------------
+
+
+class JobSlurm:
+    def __init__(self, record):
+        self.record = record
+
+    def job(self, job_id):
+        return dict(self.record)
+
+    def nodes(self):
+        return {"n1": {}, "n2": {}}
+
+
+class FakeChannel:
+    def __init__(self, reply):
+        self.reply = reply
+        self.sent: list[tuple[Request, str]] = []
+
+    def send(self, request, *, where, say):
+        self.sent.append((request, where))
+        return self.reply
+
+
+def no_step(*args, **kwargs):
+    raise AssertionError("a job step was started")
+
+
+def control(uid, channel, caller_name=None, config=CONFIG):
+    return JobControl(config, JobSlurm(RUNNING), uid, say=lambda m: None, ctl="/x/singularityctl",
+                      caller_name=caller_name or "someone", channel=lambda: channel)
+
+
+def test_root_checkpoints_another_users_job_through_redis_not_a_step(monkeypatch):
+    monkeypatch.setattr(jobctl.subprocess, "run", no_step)
+    channel = FakeChannel({"ok": True, "seq": 4, "seconds": 1.0})
+
+    assert control(0, channel, "root").checkpoint(7) == {"ok": True, "seq": 4, "seconds": 1.0}
+    [(request, where)] = channel.sent
+    assert (request.job_id, request.op, request.args, where) == (7, "checkpoint", {}, "n1")
+
+
+def test_an_operators_migration_goes_through_redis_and_a_refusal_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(jobctl.subprocess, "run", no_step)
+    config = parse({"admin": {"operators": ["ops"]}})
+    channel = FakeChannel({"ok": False, "error": "refused: uid 1500 may not act on job 7"})
+
+    with pytest.raises(JobControlError, match="^job 7: refused: uid 1500 may not act on job 7$"):
+        control(1500, channel, "ops", config).migrate(7, None, wait=0)
+    [(request, _)] = channel.sent
+    assert (request.op, request.args) == ("migrate", {"exclude": ["n1"]})
+
+
+def test_the_owner_still_uses_a_job_step(monkeypatch):
+    calls = []
+
+    def step(argv, **kwargs):
+        calls.append(argv)
+        return SimpleNamespace(stdout='{"ok": true, "seq": 2, "seconds": 0.1}\n', stderr="")
+
+    monkeypatch.setattr(jobctl.subprocess, "run", step)
+    channel = FakeChannel({"ok": True})
+
+    assert control(1001, channel, "alice").checkpoint(7)["seq"] == 2
+    assert calls == [agent_call_argv("/x/singularityctl", 7, "n1", "checkpoint",
+                                     {"reason": "manual", "stop": False})]
+    assert channel.sent == []
+
+
+def test_another_user_is_refused_before_anything_is_sent(monkeypatch):
+    monkeypatch.setattr(jobctl.subprocess, "run", no_step)
+    channel = FakeChannel({"ok": True})
+
+    with pytest.raises(JobControlError, match="job 7 belongs to alice: you can only checkpoint your own"):
+        control(1002, channel, "bob").checkpoint(7)
+    assert channel.sent == []
+
+
+def test_an_unreachable_redis_is_one_line_with_the_fix(monkeypatch):
+    def unreachable(redis_config, timeout):
+        raise errors.RegistryError("cannot reach Redis at 127.0.0.1:6379 (Connection refused); is "
+                                   "redis-server running?")
+
+    monkeypatch.setattr(jobctl, "connect", unreachable)
+    job_control = JobControl(CONFIG, JobSlurm(RUNNING), 0, say=lambda m: None)
+
+    with pytest.raises(errors.CommandChannelError) as info:
+        job_control.checkpoint(7)
+
+    assert str(info.value) == ("cannot reach Redis at 127.0.0.1:6379 (Connection refused); is redis-server "
+                               "running? (root and operators act on other users' jobs through Redis)")
+
+
+def test_an_unreadable_password_file_tells_the_operator_what_to_ask_for(monkeypatch):
+    def unreadable(redis_config, timeout):
+        raise errors.ConfigError("cannot read the Redis password file: permission denied")
+
+    monkeypatch.setattr(jobctl, "connect", unreadable)
+    job_control = JobControl(parse({"admin": {"operators": ["ops"]}}), JobSlurm(RUNNING), 1500,
+                             say=lambda m: None, caller_name="ops")
+
+    with pytest.raises(errors.CommandChannelError) as info:
+        job_control.checkpoint(7)
+
+    assert str(info.value) == (
+        "cannot read the Redis password file /etc/singularity-slurm/redis.password, through which root and "
+        "operators act on other users' jobs: ask the admin for group read access (admin guide, "
+        '"Operators")')
