@@ -121,6 +121,7 @@ class AgentState:
         self.launcher_polls_until = 0.0
         self.delivered: threading.Event | None = None  # set once a command's answer reached its caller
         self.next_run_index = 0
+        self.run_key: str | None = None  # the `singularityctl run` whose tree runs here
         self.lock = threading.Condition()
         self.state = TreeState.NONE
         self.init_pid: int | None = None
@@ -176,6 +177,7 @@ class AgentState:
             request = {**request, "env": {**(request.get("env") or {}),
                                           "SINGULARITY_LOCAL_RANKS": ",".join(map(str, ranks))}}
         spec = engine.tree_spec(request, self.job_uid)
+        self.run_key = _run_key(request)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
@@ -192,8 +194,8 @@ class AgentState:
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
             engine.use_rank(request.get("rank", 0))
             self._configure_proxies(request.get("proxy"))
-            result = engine.restore(self.job_id, self.job_uid, request.get("generation"),
-                                    _run_key(request))
+            self.run_key = _run_key(request)
+            result = engine.restore(self.job_id, self.job_uid, request.get("generation"), self.run_key)
             self.init_pid = result["init_pid"]
             self._running(result.pop("waiter"))
         LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])
@@ -334,7 +336,8 @@ class AgentState:
             cut_seconds = self._quiesce()
             try:
                 summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop,
-                                            generation=generation, run=_run_key(request))
+                                            generation=generation,
+                                            run=_run_key(request) or self.run_key)
             finally:
                 if self.proxies and not stop:
                     self._proxies_call({"op": "resume"}, 30)

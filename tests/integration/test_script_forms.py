@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -102,8 +103,8 @@ def _preempt_node(jobs, node: str, victims: dict[int, Path], restores_before: in
     jobs.wait_state(urgent, "COMPLETED")
 
 
-def test_the_readme_example_as_printed_survives_two_preemptions_and_a_migration(jobs, reference_log,
-                                                                              job_user):
+def test_the_readme_example_as_printed_survives_two_preemptions_and_a_migration_by_root(jobs,
+                                                                                      reference_log):
     _prepare(jobs)
     script = readme_example()
     assert script.rstrip().endswith("singularityctl run -- python train.py --epochs 10")
@@ -117,8 +118,9 @@ def test_the_readme_example_as_printed_survives_two_preemptions_and_a_migration(
     _preempt_node(jobs, jobs.record(job_id)["NodeList"], {job_id: log}, restores_before=1)
     _wait_for(jobs, job_id, log, "step ", count=180)
 
+    # An admin moves it: root's request reaches the job's agent through Redis, signed with munge.
     before = jobs.record(job_id)["NodeList"]
-    proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id)])
+    proc = subprocess.run([CTL, "migrate", str(job_id)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"runs again on {'n2' if before == 'n1' else 'n1'}" in proc.stdout
     record = jobs.wait_state(job_id, "COMPLETED", timeout=240)
