@@ -540,8 +540,8 @@ def test_operations_that_cannot_be_served_are_refused_and_the_connection_goes_on
             "ok": False, "error": "allreduce: communicator other was not registered"}
         assert rank.ask({"op": "comm", "comm": "world", "ranks": [1, 0]}) == {
             "ok": False, "error": "comm: communicator world has ranks [0, 1], rank 0 says [1, 0]"}
-        assert rank.ask({"op": "gather", "comm": "world"}) == {
-            "ok": False, "error": "gather: unknown operation 'gather'"}
+        assert rank.ask({"op": "allgatherv", "comm": "world"}) == {
+            "ok": False, "error": "allgatherv: unknown operation 'allgatherv'"}
         assert rank.ask({"op": "map", "bytes": 4096})["bytes"] == 1 << 20
         assert rank.ask({"op": "comm", "comm": "self", "ranks": [0]}) == {"ok": True}
         refusal = rank.ask({"op": "allreduce", "comm": "self", "dtype": "complex64", "count": 1,
