@@ -32,7 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from . import barrier, collectives, wire
+from singularity_slurm.interpose.pyhook._singularity_worker import wire
+
+from . import barrier, collectives
 from .barrier import Gate, Phase
 from .hal import BackendError, DeviceBackend, Region, backend, dtype_of
 from .mesh import Mesh, MeshError

@@ -1,15 +1,17 @@
 """The `singularity` torch.distributed backend: every collective goes through the device proxy.
 
-`install()` (run from sitecustomize when torch.distributed is first imported) registers the backend
-and makes `init_process_group` and `new_group` use it whatever the script asked for ("gloo", "nccl",
-env:// or tcp:// init), with a process-local store: the proxies find each other through the
-coordinator, so workers open no TCP connection at all.
+`install()` (run from sitecustomize once the script has imported torch, if `compat` accepts that
+torch) registers the backend and makes `init_process_group` and `new_group` use it whatever the script
+asked for ("gloo", "nccl", env:// or tcp:// init), with a process-local store: the proxies find each
+other through the coordinator, so workers open no TCP connection at all.
 
 All of a rank's operations go through one FIFO thread per process, in the order the script issued
 them, so every rank sends the same sequence to its proxy. Allreduce returns at once with a future (DDP
 keeps computing its backward pass while a bucket is reduced); every other operation waits for its
 turn and its result. At a checkpoint a rank is computing, or parked in a request, never holding a
 half-done collective.
+
+Runs in the job's own Python (3.9 or newer) with the job's torch: standard library and torch only.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
+from . import BACKEND
 from .proxy_client import ProxyClient, ProxyError
 
-BACKEND = "singularity"
 _DTYPES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
     torch.int8: "int8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
@@ -120,6 +122,12 @@ def _dtype(tensor: torch.Tensor) -> str:
                          f"{', '.join(sorted(_DTYPES.values()))}") from None
 
 
+def _pairs(left: Sequence, right: Sequence, what: str) -> list[tuple]:
+    if len(left) != len(right):
+        raise ProxyError(f"{what}: {len(left)} outputs for {len(right)} inputs")
+    return list(zip(left, right))  # lengths checked above: zip(strict=) is Python 3.10
+
+
 class _Contiguous:
     """A contiguous stand-in for a tensor, copied back on exit when it had to be made."""
 
@@ -189,7 +197,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
             self._run("allgather", src, out=dst)
 
     def allgather(self, output_lists, inputs, opts=None):
-        for outputs, tensor in zip(output_lists, inputs, strict=True):
+        for outputs, tensor in _pairs(output_lists, inputs, "allgather"):
             flat = torch.empty((self.size(), *tensor.shape), dtype=tensor.dtype)
             self._gather_into(flat, tensor)
             for i, out in enumerate(outputs):
@@ -201,12 +209,12 @@ class SingularityProcessGroup(dist.ProcessGroup):
         return _done([output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, tensor in zip(outputs, inputs, strict=True):
+        for output, tensor in _pairs(outputs, inputs, "allgather_into_tensor_coalesced"):
             self._gather_into(output, tensor)
         return _done(outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        for out, inputs in zip(outputs, input_lists, strict=True):
+        for out, inputs in _pairs(outputs, input_lists, "reduce_scatter"):
             flat = torch.cat([t.reshape(-1) for t in inputs])
             with _Contiguous(out) as dst:
                 self._run("reduce_scatter", flat, out=dst, reduce=_reduce_name(opts))
@@ -218,7 +226,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
         return _done([output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, tensor in zip(outputs, inputs, strict=True):
+        for output, tensor in _pairs(outputs, inputs, "reduce_scatter_tensor_coalesced"):
             self._reduce_scatter_base(output, tensor, opts)
         return _done(outputs)
 
