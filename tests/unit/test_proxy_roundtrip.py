@@ -140,11 +140,19 @@ def subgroup():
 
 
 def gather():
-    dist.gather(f32(1), [f32(0) for _ in range(world)] if rank == 0 else None, dst=0)
+    gathered = [f32(0) for _ in range(world)] if rank == 1 else None
+    dist.gather(f32(rank + 0.25), gathered, dst=1)
+    return None if gathered is None else [g.tolist() for g in gathered]
 
 
 def bfloat16():
-    dist.all_reduce(torch.ones(2, dtype=torch.bfloat16))
+    t = torch.tensor([1.0, 0.00390625 * (rank + 1)], dtype=torch.bfloat16)
+    dist.all_reduce(t)
+    return t.float().tolist()
+
+
+def recv_any():
+    dist.recv(torch.empty(1))
 
 
 if mode == "ops":
@@ -152,7 +160,8 @@ if mode == "ops":
                      ("min", ReduceOp.MIN), ("product", ReduceOp.PRODUCT)):
         record(name, lambda: reduced(op))
     for operation in (int64_sum, broadcast, all_gather, all_gather_into_tensor, reduce_scatter,
-                      reduce_scatter_tensor, barrier, ring, transposed, strided, subgroup, gather, bfloat16):
+                      reduce_scatter_tensor, barrier, ring, transposed, strided, subgroup, gather, bfloat16,
+                      recv_any):
         record(operation.__name__, operation)
 elif mode == "idle":
     t = torch.ones(2)
@@ -273,10 +282,12 @@ def test_torch_collectives_through_proxies_give_exact_results(ops_results: dict[
             "transposed": [(np.arange(12.0).reshape(3, 4) * 6).T.tolist(), False],
             "strided": [[6.0, -1.0] * 3] * 2,
             "subgroup": [4.0] if rank in (0, 2) else None,
-            "gather": "ProxyError: gather is not supported by the singularity backend (supported: "
-                      "allreduce, broadcast, allgather, reduce_scatter, barrier, send, recv)",
-            "bfloat16": "ProxyError: dtype torch.bfloat16 is not supported by the singularity backend; "
-                        "supported: bool, float16, float32, float64, int16, int32, int64, int8, uint8",
+            "gather": [[0.25], [1.25], [2.25]] if rank == 1 else None,
+            "bfloat16": [3.0, 0.0234375],
+            "recv_any": "ProxyError: recv from any source is not supported by the singularity backend: "
+                        "receive from a named source rank instead (supported: allreduce, reduce, broadcast, "
+                        "allgather, gather, scatter, reduce_scatter, alltoall, barrier, monitored_barrier, "
+                        "send, recv)",
             "parks": 0,
         }, f"rank {rank}"
 
