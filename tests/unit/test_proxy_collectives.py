@@ -9,12 +9,16 @@ backend cannot serve fails at once, on every rank, and the job goes on.
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from proxyjob import Job
+from proxyjob import HOOK, Job
 
 WORKER = r'''
 import datetime, json, sys, time
@@ -191,6 +195,7 @@ if mode == "all":
     # The project's own packages stay out of a worker (torch's object collectives import numpy).
     result["modules"] = sorted(m for m in sys.modules if m.split(".")[0] in (
         "singularity_slurm", "redis", "click", "xxhash"))
+    result["prefix"] = sys.prefix
 elif mode == "refused":
     result["recv_any"] = refused(lambda: dist.recv(torch.empty(1)))
     result["dtype"] = refused(lambda: dist.all_to_all_single(torch.empty(world, dtype=torch.uint32),
@@ -327,7 +332,7 @@ def test_every_collective_gives_each_rank_its_exact_result(every_op: dict[int, d
     world = len(every_op)
     for rank, result in every_op.items():
         want = expected(rank, world)
-        assert set(result) == set(want), f"rank {rank}"
+        assert set(result) - {"prefix"} == set(want), f"rank {rank}"
         for name in want:
             assert result[name] == want[name], f"rank {rank}: {name}"
 
@@ -398,3 +403,67 @@ def test_a_cut_among_the_new_collectives_is_consistent_and_the_job_goes_on(job) 
 
     assert {r: (res["bad"], res["parks"]) for r, res in results.items()} == {r: ([], 1) for r in range(4)}
     assert len({res["steps"] for res in results.values()}) == 1
+
+
+# --- in the job's own Python -----------------------------------------------------------------------
+
+
+def requirement_closure(names: list[str]) -> list[importlib.metadata.Distribution]:
+    """The installed distributions of `names` and of what they require at run time (no extras)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
+        if key in found:
+            continue
+        found[key] = dist
+        for requirement in dist.requires or []:
+            if "extra ==" not in requirement:
+                todo.append(re.match(r"[A-Za-z0-9._-]+", requirement).group(0))
+    return list(found.values())
+
+
+@pytest.fixture(scope="module")
+def foreign_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's venv: another interpreter whose site-packages hold torch, numpy and torch's run-time
+    requirements (linked from this environment) and nothing of the project's."""
+    venv = tmp_path_factory.mktemp("user") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    for dist in requirement_closure(["torch", "numpy"]):
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (site / top).exists():
+                (site / top).symlink_to(source)
+    return python
+
+
+def test_the_users_python_has_torch_but_nothing_of_the_project(foreign_python: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": HOOK, "SINGULARITY_PROXY": "1"}
+    probe = ("import importlib.util, sys, torch\n"
+             "print(sys.prefix, torch.__version__, [m for m in ('singularity_slurm', 'redis', 'click') "
+             "if importlib.util.find_spec(m)])\n"
+             "import singularity_slurm\n")
+
+    run = subprocess.run([str(foreign_python), "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120)
+
+    assert run.returncode == 1
+    assert run.stdout == f"{foreign_python.parent.parent} {torch.__version__} []\n"
+    assert run.stderr.endswith("ModuleNotFoundError: No module named 'singularity_slurm'\n")
+
+
+def test_a_job_in_the_users_own_python_runs_every_collective_through_the_proxies(
+        tmp_path: Path, foreign_python: Path) -> None:
+    results = run_job(tmp_path, ("p0", "p1"), "all", python=str(foreign_python))
+
+    for rank, result in results.items():
+        assert result.pop("prefix") == str(foreign_python.parent.parent)
+        assert result == expected(rank, 2), f"rank {rank}"
