@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -43,18 +43,20 @@ class Job:
             proxy.configure("1", placement)
         self.workers: dict[int, subprocess.Popen] = {}
 
-    def start(self, source: str, mode: str, python: str = sys.executable) -> None:
-        """Run `python worker.py MODE FOLDER` (worker.py holding `source`) as every rank, with the
-        environment `singularityctl run --world-size N` gives ranks: only the hook on PYTHONPATH."""
+    def start(self, source: str, mode: str = "", python: str = sys.executable,
+              args: Sequence[str] | None = None) -> None:
+        """Run `python worker.py MODE FOLDER` (worker.py holding `source`; or `ARGS...` instead of
+        MODE FOLDER) as every rank, with the environment `singularityctl run --world-size N` gives
+        ranks: only the hook on PYTHONPATH."""
         script = self.folder / "worker.py"
         script.write_text(source)
+        argv = [python, str(script), *([mode, str(self.folder)] if args is None else args)]
         for rank in sorted(self.placement):
             env = dict(os.environ, SINGULARITY_PROXY="1", PYTHONPATH=HOOK, SINGULARITY_JOB_ID=str(self.id),
                        RANK=str(rank), WORLD_SIZE=str(len(self.placement)), LOCAL_RANK="0",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
             with open(self.folder / f"worker-{rank}.log", "wb") as log:
-                self.workers[rank] = subprocess.Popen([python, str(script), mode, str(self.folder)],
-                                                      env=env, stdout=log, stderr=subprocess.STDOUT)
+                self.workers[rank] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def log(self, rank: int) -> str:
         return (self.folder / f"worker-{rank}.log").read_text(errors="replace")

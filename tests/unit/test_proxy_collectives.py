@@ -467,3 +467,27 @@ def test_a_job_in_the_users_own_python_runs_every_collective_through_the_proxies
     for rank, result in results.items():
         assert result.pop("prefix") == str(foreign_python.parent.parent)
         assert result == expected(rank, 2), f"rank {rank}"
+
+
+# --- the example ----------------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "train_ddp_collectives.py"
+
+
+def test_the_collectives_example_logs_the_same_bytes_on_every_placement(tmp_path: Path) -> None:
+    logs: dict[str, list[bytes]] = {}
+    for name, placement in (("1 x 4", ("p0",) * 4), ("4 x 1", ("p0", "p1", "p2", "p3"))):
+        folder = tmp_path / name.replace(" ", "")
+        folder.mkdir()
+        run = Job(folder, dict(enumerate(placement)))
+        try:
+            run.start(EXAMPLE.read_text(), args=["--steps", "4", "--log-dir", str(folder / "logs")])
+            for rank, proc in run.workers.items():
+                assert proc.wait(timeout=120) == 0, run.log(rank)
+        finally:
+            run.close()
+        logs[name] = [(folder / "logs" / f"{r}.log").read_bytes() for r in range(4)]
+
+    assert logs["1 x 4"] == logs["4 x 1"]
+    assert [len(log.splitlines()) for log in logs["1 x 4"]] == [4] * 4
+    assert len(set(logs["1 x 4"])) == 4  # each rank logs its own loss
