@@ -71,10 +71,17 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
             fabric.send(peer, f"{tag}:rs", [inputs[g][lo:hi] for g in local])
     lo, hi = bounds[me]
     parts = {g: inputs[g][lo:hi] for g in local}
+    # Proxies whose ranks disagree on the count cut different chunks: each finishes the exchange
+    # (so no peer waits forever) and then fails.
+    wrong: list[str] = []
     for peer in proxies:
         if peer != fabric.me:
             members = group.members_of(peer)
             data = np.frombuffer(fabric.take(f"{tag}:rs", peer), dtype=first.dtype)
+            if data.size != len(members) * (hi - lo):
+                wrong.append(f"proxy {peer} sent {data.size} elements of chunk {me} for ranks {members}, "
+                             f"not {hi - lo} each")
+                data = np.zeros(len(members) * (hi - lo), dtype=first.dtype)
             for i, g in enumerate(members):
                 parts[g] = data[i * (hi - lo):(i + 1) * (hi - lo)]
     chunk = backend.reduce([parts[g] for g in range(len(group.owners))], op)
@@ -86,7 +93,13 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
     for j, peer in enumerate(proxies):
         if peer != fabric.me:
             plo, phi = bounds[j]
-            result[plo:phi] = np.frombuffer(fabric.take(f"{tag}:ag", peer), dtype=first.dtype)
+            data = np.frombuffer(fabric.take(f"{tag}:ag", peer), dtype=first.dtype)
+            if data.size != phi - plo:
+                wrong.append(f"proxy {peer} sent {data.size} elements of chunk {j}, not {phi - plo}")
+            else:
+                result[plo:phi] = data
+    if wrong:
+        raise ValueError(f"ranks disagree on the element count ({first.size} here): {'; '.join(wrong)}")
     return result
 
 
@@ -158,7 +171,7 @@ def gather(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.ndarr
             members = group.members_of(peer)
             data = np.frombuffer(fabric.take(tag, peer), dtype=first.dtype)
             if data.size != first.size * len(members):
-                raise ValueError(f"gather: proxy {peer} sent {data.size} elements for ranks {members}, "
+                raise ValueError(f"proxy {peer} sent {data.size} elements for ranks {members}, "
                                  f"expected {first.size} each")
             for i, g in enumerate(members):
                 pieces[g] = data[i * first.size:(i + 1) * first.size]
@@ -175,7 +188,7 @@ def scatter(fabric: Fabric, group: Group, tag: str, data: np.ndarray | None, roo
     if owner == fabric.me:
         assert data is not None
         if data.size != count * len(group.owners):
-            raise ValueError(f"scatter: the root has {data.size} elements for {len(group.owners)} ranks "
+            raise ValueError(f"the root has {data.size} elements for {len(group.owners)} ranks "
                              f"of {count}")
         for peer in group.proxies:
             if peer != fabric.me:
@@ -183,7 +196,7 @@ def scatter(fabric: Fabric, group: Group, tag: str, data: np.ndarray | None, roo
         return {g: data[g * count:(g + 1) * count].copy() for g in members}
     received = np.frombuffer(fabric.take(tag, owner), dtype=dtype)
     if received.size != count * len(members):
-        raise ValueError(f"scatter: the root sent {received.size} elements for ranks {list(members)} of "
+        raise ValueError(f"the root sent {received.size} elements for ranks {list(members)} of "
                          f"{count} each")
     return {g: received[i * count:(i + 1) * count] for i, g in enumerate(members)}
 
@@ -222,6 +235,6 @@ def alltoall(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.nda
                 at += counts[k]
     for (g, j), data in pieces.items():
         if data.size != recv[j][g]:
-            raise ValueError(f"all_to_all: rank {g} sends {data.size} elements to rank {j}, which expects "
+            raise ValueError(f"rank {g} sends {data.size} elements to rank {j}, which expects "
                              f"{recv[j][g]}")
     return {j: np.concatenate([pieces[g, j] for g in range(len(group.owners))]) for j in local}

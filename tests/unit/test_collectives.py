@@ -350,7 +350,7 @@ def test_alltoall_names_the_ranks_that_disagree_on_a_pieces_size(placement: tupl
     recv = [[1, 3], [1, 4]]  # rank 1 expects 1 element from rank 0, which sends it 2
     inputs = alltoall_inputs(send)
 
-    with pytest.raises(ValueError, match="^all_to_all: rank 0 sends 2 elements to rank 1, which expects 1$"):
+    with pytest.raises(ValueError, match="^rank 0 sends 2 elements to rank 1, which expects 1$"):
         run_on_proxies(placement, inputs, lambda fabric, group, local: collectives.alltoall(
             fabric, group, "t:1", local, {g: send[g] for g in local}, {g: recv[g] for g in local}))
 
@@ -486,3 +486,29 @@ def test_regions_are_whole_mebibytes_of_shared_memory(asked: int, size: int) -> 
     finally:
         region.close()
     assert region.fd == -1
+
+
+def test_allreduce_of_ranks_that_disagree_on_the_count_fails_on_every_proxy_without_hanging() -> None:
+    inputs = [np.ones(2, np.float32), np.ones(3, np.float32)]
+    group = Group("world", ("a", "b"))
+    exchange = Exchange()
+    errors: dict[str, str] = {}
+
+    def proxy(me: str) -> None:
+        try:
+            allreduce(MemoryFabric(me, exchange), HostBackend(), group, "t:1",
+                      {g: inputs[g] for g in group.members_of(me)}, "sum")
+        except ValueError as exc:
+            errors[me] = str(exc)
+
+    threads = [threading.Thread(target=proxy, args=(p,)) for p in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    assert errors == {
+        "a": "ranks disagree on the element count (2 here): proxy b sent 2 elements of chunk 0 for ranks "
+             "[1], not 1 each",
+        "b": "ranks disagree on the element count (3 here): proxy a sent 1 elements of chunk 0, not 2"}
+    assert exchange.inbox == {}

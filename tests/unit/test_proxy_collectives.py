@@ -205,6 +205,16 @@ elif mode == "refused":
     t = torch.ones(1)
     dist.all_reduce(t)
     result["after"] = t.item()
+elif mode == "mismatch":
+    # Rank 0 sends rank 1 two elements, rank 1 expects one: found by the proxy, after the call returned.
+    got = torch.full((2,), -1.0)
+    work = dist.all_to_all_single(got, torch.tensor([0.5, 1.5, 2.5][:3 - rank]), [1, 1],
+                                  [1, 2] if rank == 0 else [1, 1], async_op=True)
+    result["async"] = refused(work.wait)[0]
+    result["disagree"] = refused(lambda: dist.all_reduce(torch.ones(2 + rank)))[0]
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    result["after"] = t.item()
 elif mode == "loop":
     step, bad = 0, []
     while True:
@@ -383,6 +393,32 @@ def test_a_call_the_backend_cannot_serve_fails_at_once_on_every_rank_and_the_job
         }, f"rank {rank}"
         assert max(seconds for _, seconds in calls.values()) < 1.0
         assert (result["after"], result["parks"]) == (float(world), 0)
+
+
+def test_an_operation_the_proxy_refuses_after_the_call_raises_when_the_script_waits(tmp_path: Path) -> None:
+    results = run_job(tmp_path, ("p0", "p0"), "mismatch")
+
+    refusal = "ProxyError: device proxy: alltoall: rank 0 sends 2 elements to rank 1, which expects 1"
+    disagree = re.compile(r"ProxyError: device proxy: allreduce: ranks disagree on collective \S+: .*")
+    for rank, result in results.items():  # one proxy runs the whole exchange: both ranks learn it
+        assert result["async"] == refusal, f"rank {rank}"
+        assert disagree.fullmatch(result["disagree"]), result["disagree"]
+        assert (result["after"], result["parks"]) == (2.0, 0)
+
+
+def test_across_proxies_a_piece_of_another_size_fails_the_rank_that_receives_it(tmp_path: Path) -> None:
+    results = run_job(tmp_path, ("p0", "p1"), "mismatch")
+
+    assert results[0]["async"] == "no error"
+    assert results[1]["async"] == (
+        "ProxyError: device proxy: alltoall: rank 0 sends 2 elements to rank 1, which expects 1")
+    # An allreduce whose ranks disagree on the count fails on both proxies, and the job goes on.
+    assert {r: res["disagree"] for r, res in results.items()} == {
+        0: "ProxyError: device proxy: allreduce: ranks disagree on the element count (2 here): proxy p1 sent "
+           "2 elements of chunk 0 for ranks [1], not 1 each",
+        1: "ProxyError: device proxy: allreduce: ranks disagree on the element count (3 here): proxy p0 sent "
+           "1 elements of chunk 0, not 2"}
+    assert {r: res["after"] for r, res in results.items()} == {0: 2.0, 1: 2.0}
 
 
 def test_a_cut_among_the_new_collectives_is_consistent_and_the_job_goes_on(job) -> None:

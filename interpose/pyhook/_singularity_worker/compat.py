@@ -2,8 +2,9 @@
 
 The backend is a Python `ProcessGroup` subclass that a creator registered with
 `Backend.register_backend(name, creator, extended_api=True, devices=["cpu"])` returns, and whose
-operations return `Work` objects made by `_create_work_from_future`. `devices=` arrived in torch 2.1,
-the others earlier, so 2.1 is the oldest torch accepted (the backend is tested on 2.13).
+operations return `Work` objects: made by `_create_work_from_future`, or Python subclasses of `Work`.
+`devices=` arrived in torch 2.1, the others earlier, so 2.1 is the oldest torch accepted (the backend
+is tested on 2.13 only).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def missing_apis() -> list[str]:
     if not dist.is_available():
         return ["torch.distributed (this torch was built without it)"]
     missing = []
-    try:
-        from torch._C._distributed_c10d import _create_work_from_future  # noqa: F401
-    except ImportError:
-        missing.append("torch._C._distributed_c10d._create_work_from_future")
+    import torch._C._distributed_c10d as c10d
+
+    for name in ("_create_work_from_future", "Work"):
+        if not hasattr(c10d, name):
+            missing.append(f"torch._C._distributed_c10d.{name}")
     register = getattr(getattr(dist, "Backend", None), "register_backend", None)
     try:
         parameters = inspect.signature(register).parameters if register else {}

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import Work, _create_work_from_future
 from torch.futures import Future
 
 from . import BACKEND
@@ -100,7 +100,58 @@ class _Queue:
             step()
         else:
             self._ensure().submit(step)
-        return _create_work_from_future(future)
+        return _Work(future)
+
+
+class _Work(Work):
+    """The work of an operation run on the queue: `wait()` raises what the operation raised.
+
+    (torch's `_create_work_from_future` makes a work whose wait() returns True whatever its future
+    holds, so a refused operation would leave the script's tensors unchanged without a word.) Until
+    someone first waits on it or takes its future, the work keeps itself alive: a caller in C++ (DDP's
+    reducer) may hold only the C++ half of it.
+    """
+
+    _alive: set[_Work] = set()
+
+    def __init__(self, future: Future):
+        super().__init__()
+        self.future = future
+        _Work._alive.add(self)
+
+    def _used(self) -> None:
+        _Work._alive.discard(self)
+
+    def wait(self, timeout=None) -> bool:
+        self._used()
+        self.future.wait()  # raises the operation's error
+        return True
+
+    def get_future(self) -> Future:
+        self._used()
+        return self.future
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def is_success(self) -> bool:
+        if not self.future.done():
+            return False
+        try:
+            self.future.value()
+        except Exception:  # noqa: BLE001 - the operation's error means not a success
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self.future.value()
+        except Exception as exc:  # noqa: BLE001 - returned, as torch's Work.exception does
+            return exc
+        return None
+
+    def result(self):
+        return self.future.value()
 
 
 _QUEUE = _Queue()
