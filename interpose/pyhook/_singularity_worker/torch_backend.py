@@ -109,7 +109,8 @@ class _Work(Work):
     (torch's `_create_work_from_future` makes a work whose wait() returns True whatever its future
     holds, so a refused operation would leave the script's tensors unchanged without a word.) Until
     someone first waits on it or takes its future, the work keeps itself alive: a caller in C++ (DDP's
-    reducer) may hold only the C++ half of it.
+    reducer) may hold only the C++ half of it. A script must wait on its async works anyway; one it
+    never waits on stays here.
     """
 
     _alive: set[_Work] = set()
