@@ -71,10 +71,17 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
             fabric.send(peer, f"{tag}:rs", [inputs[g][lo:hi] for g in local])
     lo, hi = bounds[me]
     parts = {g: inputs[g][lo:hi] for g in local}
+    # Proxies whose ranks disagree on the count cut different chunks: each finishes the exchange
+    # (so no peer waits forever) and then fails.
+    wrong: list[str] = []
     for peer in proxies:
         if peer != fabric.me:
             members = group.members_of(peer)
             data = np.frombuffer(fabric.take(f"{tag}:rs", peer), dtype=first.dtype)
+            if data.size != len(members) * (hi - lo):
+                wrong.append(f"proxy {peer} sent {data.size} elements of chunk {me} for ranks {members}, "
+                             f"not {hi - lo} each")
+                data = np.zeros(len(members) * (hi - lo), dtype=first.dtype)
             for i, g in enumerate(members):
                 parts[g] = data[i * (hi - lo):(i + 1) * (hi - lo)]
     chunk = backend.reduce([parts[g] for g in range(len(group.owners))], op)
@@ -86,7 +93,13 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
     for j, peer in enumerate(proxies):
         if peer != fabric.me:
             plo, phi = bounds[j]
-            result[plo:phi] = np.frombuffer(fabric.take(f"{tag}:ag", peer), dtype=first.dtype)
+            data = np.frombuffer(fabric.take(f"{tag}:ag", peer), dtype=first.dtype)
+            if data.size != phi - plo:
+                wrong.append(f"proxy {peer} sent {data.size} elements of chunk {j}, not {phi - plo}")
+            else:
+                result[plo:phi] = data
+    if wrong:
+        raise ValueError(f"ranks disagree on the element count ({first.size} here): {'; '.join(wrong)}")
     return result
 
 
@@ -119,3 +132,109 @@ def allgather(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.nd
             for i, g in enumerate(members):
                 pieces[g] = data[i * size:(i + 1) * size]
     return np.concatenate([pieces[g] for g in range(len(group.owners))])
+
+
+def reduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
+           inputs: Mapping[int, np.ndarray], op: str, root: int) -> np.ndarray | None:
+    """The contributions reduced in group-rank order on the root's proxy (None on the others).
+
+    Each element is combined exactly as allreduce combines it, so the root gets the same bits.
+    """
+    owner = group.owners[root]
+    local = sorted(inputs)
+    if owner != fabric.me:
+        fabric.send(owner, tag, [inputs[g] for g in local])
+        return None
+    first = inputs[local[0]]
+    parts = dict(inputs)
+    for peer in group.proxies:
+        if peer != fabric.me:
+            members = group.members_of(peer)
+            data = np.frombuffer(fabric.take(tag, peer), dtype=first.dtype)
+            for i, g in enumerate(members):
+                parts[g] = data[i * first.size:(i + 1) * first.size]
+    return backend.reduce([parts[g] for g in range(len(group.owners))], op)
+
+
+def gather(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.ndarray],
+           root: int) -> np.ndarray | None:
+    """Every member's contribution, concatenated in group-rank order, on the root's proxy."""
+    owner = group.owners[root]
+    local = sorted(inputs)
+    if owner != fabric.me:
+        fabric.send(owner, tag, [inputs[g] for g in local])
+        return None
+    first = inputs[local[0]]
+    pieces: dict[int, np.ndarray] = dict(inputs)
+    for peer in group.proxies:
+        if peer != fabric.me:
+            members = group.members_of(peer)
+            data = np.frombuffer(fabric.take(tag, peer), dtype=first.dtype)
+            if data.size != first.size * len(members):
+                raise ValueError(f"proxy {peer} sent {data.size} elements for ranks {members}, "
+                                 f"expected {first.size} each")
+            for i, g in enumerate(members):
+                pieces[g] = data[i * first.size:(i + 1) * first.size]
+    return np.concatenate([pieces[g] for g in range(len(group.owners))])
+
+
+def scatter(fabric: Fabric, group: Group, tag: str, data: np.ndarray | None, root: int,
+            members: Sequence[int], count: int, dtype: np.dtype) -> dict[int, np.ndarray]:
+    """Slice g of the root's `data` (`count` elements each) for each of this proxy's `members`.
+
+    The root's own members get copies: their results are written where `data` lies.
+    """
+    owner = group.owners[root]
+    if owner == fabric.me:
+        assert data is not None
+        if data.size != count * len(group.owners):
+            raise ValueError(f"the root has {data.size} elements for {len(group.owners)} ranks "
+                             f"of {count}")
+        for peer in group.proxies:
+            if peer != fabric.me:
+                fabric.send(peer, tag, [data[g * count:(g + 1) * count] for g in group.members_of(peer)])
+        return {g: data[g * count:(g + 1) * count].copy() for g in members}
+    received = np.frombuffer(fabric.take(tag, owner), dtype=dtype)
+    if received.size != count * len(members):
+        raise ValueError(f"the root sent {received.size} elements for ranks {list(members)} of "
+                         f"{count} each")
+    return {g: received[i * count:(i + 1) * count] for i, g in enumerate(members)}
+
+
+def alltoall(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.ndarray],
+             send: Mapping[int, Sequence[int]], recv: Mapping[int, Sequence[int]]) -> dict[int, np.ndarray]:
+    """Member g's input is split into pieces for ranks 0..n-1 (`send[g]` elements each); each local
+    member j gets its pieces from ranks 0..n-1 (`recv[j]` elements each), concatenated in rank order.
+
+    A message to a proxy carries, ahead of the data, the counts its senders meant for each of its
+    members, so a rank that expects another size than its peer sends is named, not misread.
+    """
+    local = sorted(inputs)
+    first = inputs[local[0]]
+    offsets = {g: np.concatenate([[0], np.cumsum(send[g], dtype=np.int64)]) for g in local}
+
+    def piece(g: int, j: int) -> np.ndarray:
+        return inputs[g][offsets[g][j]:offsets[g][j + 1]]
+
+    for peer in group.proxies:
+        if peer != fabric.me:
+            targets = group.members_of(peer)
+            counts = np.array([send[g][j] for g in local for j in targets], dtype=np.int64)
+            fabric.send(peer, tag, [counts, *(piece(g, j) for g in local for j in targets)])
+    pieces: dict[tuple[int, int], np.ndarray] = {(g, j): piece(g, j) for g in local for j in local}
+    for peer in group.proxies:
+        if peer != fabric.me:
+            senders = group.members_of(peer)
+            raw = fabric.take(tag, peer)
+            head = len(senders) * len(local)
+            counts = np.frombuffer(raw, dtype=np.int64, count=head).tolist()
+            data = np.frombuffer(raw, dtype=first.dtype, offset=8 * head)
+            at = 0
+            for k, (g, j) in enumerate((g, j) for g in senders for j in local):
+                pieces[g, j] = data[at:at + counts[k]]
+                at += counts[k]
+    for (g, j), data in pieces.items():
+        if data.size != recv[j][g]:
+            raise ValueError(f"rank {g} sends {data.size} elements to rank {j}, which expects "
+                             f"{recv[j][g]}")
+    return {j: np.concatenate([pieces[g, j] for g in range(len(group.owners))]) for j in local}

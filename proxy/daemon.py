@@ -32,13 +32,25 @@ from typing import Any
 
 import numpy as np
 
-from . import barrier, collectives, wire
+from singularity_slurm.interpose.pyhook._singularity_worker import wire
+
+from . import barrier, collectives
 from .barrier import Gate, Phase
-from .hal import BackendError, DeviceBackend, Region, backend
+from .hal import BackendError, DeviceBackend, Region, backend, dtype_of
 from .mesh import Mesh, MeshError
 from .rendezvous import Rendezvous, RendezvousError
 
 LOG = logging.getLogger("singularity.proxy")
+
+# The collectives, each with what every member must say alike about it (alltoall's counts differ by
+# rank, and its exchange checks each piece). Each is one operation on its communicator's channel, so
+# the barrier counts it as it counts the others.
+AGREE: dict[str, tuple[str, ...]] = {
+    "allreduce": ("dtype", "count", "reduce"), "reduce": ("dtype", "count", "reduce", "root"),
+    "broadcast": ("dtype", "count", "root"), "allgather": ("dtype", "count"),
+    "gather": ("dtype", "count", "root"), "scatter": ("dtype", "count", "root"),
+    "reduce_scatter": ("dtype", "count", "reduce"), "alltoall": ("dtype",), "barrier": (),
+}
 
 
 class RankState(enum.StrEnum):
@@ -378,7 +390,7 @@ class Proxy:
         if op in ("send", "recv"):
             self._point_to_point(session, message, channel, seq, group_rank)
             return
-        if op not in ("allreduce", "broadcast", "allgather", "reduce_scatter", "barrier"):
+        if op not in AGREE:
             raise ProxyError(f"unknown operation {op!r}")
         group = self.group(str(message["comm"]))
         key = (channel, seq)
@@ -409,8 +421,7 @@ class Proxy:
         first = next(iter(entries.values()))[1]
         op = first["op"]
         for _session, message in entries.values():
-            if (message["op"], message.get("dtype"), message.get("count")) != (
-                    op, first.get("dtype"), first.get("count")):
+            if message["op"] != op or any(message.get(k) != first.get(k) for k in AGREE[op]):
                 raise ProxyError(f"ranks disagree on collective {tag}: {message} vs {first}")
         started = time.monotonic()
         if op == "barrier":
@@ -418,19 +429,42 @@ class Proxy:
                                   np.dtype(np.uint8))
             self._count(op, exchange_seconds=time.monotonic() - started)
             return
-        dtype, count = str(first["dtype"]), int(first["count"])
+        dtype, size = str(first["dtype"]), len(group.owners)
+        if op == "alltoall":
+            outputs = self._alltoall(group, tag, entries, dtype)
+            self._count(op, exchange_seconds=time.monotonic() - started,
+                        bytes=sum(a.nbytes for a in outputs.values()))
+            self._deliver(entries, dtype, outputs)
+            return
+        count = int(first["count"])
+        root = int(first.get("root", 0))
+        if not 0 <= root < size:
+            raise ProxyError(f"{op}: root {root} is not a rank of communicator {group.name} of {size}")
+        if op == "scatter":
+            data = self._region(entries[root][0]).array(dtype, count * size) if root in entries else None
+            outputs = collectives.scatter(self.mesh, group, tag, data, root, sorted(entries), count,
+                                          dtype_of(dtype))
+            self._count(op, exchange_seconds=time.monotonic() - started,
+                        bytes=count * dtype_of(dtype).itemsize)
+            self._deliver(entries, dtype, outputs)
+            return
         inputs = {g: self._region(s).array(dtype, count) for g, (s, _) in entries.items()}
-        size = len(group.owners)
         if op == "allreduce":
             result = collectives.allreduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]))
             outputs = {g: result for g in entries}
+        elif op == "reduce":
+            result = collectives.reduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]),
+                                        root)
+            outputs = {root: result} if result is not None else {}
         elif op == "broadcast":
-            root = int(first.get("root", 0))
             result = collectives.broadcast(self.mesh, group, tag, inputs, root)
             outputs = {g: result for g in entries if g != root}
         elif op == "allgather":
             result = collectives.allgather(self.mesh, group, tag, inputs, inputs[next(iter(inputs))].dtype)
             outputs = {g: result for g in entries}
+        elif op == "gather":
+            result = collectives.gather(self.mesh, group, tag, inputs, root)
+            outputs = {root: result} if result is not None else {}
         else:  # reduce_scatter
             if count % size:
                 raise ProxyError(f"reduce_scatter of {count} elements over {size} ranks")
@@ -438,9 +472,28 @@ class Proxy:
             k = count // size
             outputs = {g: result[g * k:(g + 1) * k] for g in entries}
         self._count(op, exchange_seconds=time.monotonic() - started, bytes=inputs[next(iter(inputs))].nbytes)
+        self._deliver(entries, dtype, outputs)
+
+    def _alltoall(self, group: collectives.Group, tag: str, entries: dict[int, tuple[Session, dict]],
+                  dtype: str) -> dict[int, np.ndarray]:
+        assert self.mesh is not None
+        size = len(group.owners)
+        send: dict[int, list[int]] = {}
+        recv: dict[int, list[int]] = {}
+        for g, (_session, message) in entries.items():
+            send[g], recv[g] = [int(n) for n in message["send"]], [int(n) for n in message["recv"]]
+            if len(send[g]) != size or len(recv[g]) != size or min(send[g] + recv[g]) < 0:
+                raise ProxyError(f"alltoall: rank {g} of {group.name} gives send counts {send[g]} and "
+                                 f"receive counts {recv[g]}; it needs {size} of each, none negative")
+        inputs = {g: self._region(s).array(dtype, sum(send[g])) for g, (s, _) in entries.items()}
+        return collectives.alltoall(self.mesh, group, tag, inputs, send, recv)
+
+    def _deliver(self, entries: dict[int, tuple[Session, dict]], dtype: str,
+                 outputs: dict[int, np.ndarray]) -> None:
+        """Write each member's result where its worker reads it. Every result is complete before the
+        first is written, and none lies in a region written here."""
         for g, data in outputs.items():
-            session = entries[g][0]
-            self._region(session).array(dtype, data.size)[:] = data
+            self._region(entries[g][0]).array(dtype, data.size)[:] = data
 
     def _point_to_point(self, session: Session, message: dict, channel: str, seq: int,
                         group_rank: int) -> None:

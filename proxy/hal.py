@@ -4,6 +4,11 @@
 there is now, for CPU device slots and for the dev cluster's GPUs; a `cuda` backend implements the same
 interface with device memory and kernels. Reductions combine contributions in the order given, which
 the caller makes the logical-rank order: results then do not depend on arrival order or placement.
+
+numpy has no bfloat16: its arrays here are of `BFLOAT16`, a one-field record of the raw 16 bits, which
+moves, slices and concatenates like any dtype but refuses arithmetic, so nothing adds its bits as
+integers by mistake. Its reductions accumulate in float32, in the order given, and round once to
+bfloat16 (to nearest, ties to even, as torch converts). float16 reduces in float16, step by step.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-DTYPES = {name: np.dtype(name) for name in
-          ("float32", "float64", "float16", "int8", "int16", "int32", "int64", "uint8", "bool")}
+BFLOAT16 = np.dtype([("bfloat16", "<u2")])
+DTYPES = {**{name: np.dtype(name) for name in ("float32", "float64", "float16")}, "bfloat16": BFLOAT16,
+          **{name: np.dtype(name) for name in ("int8", "int16", "int32", "int64", "uint8", "bool")}}
 REDUCTIONS = ("sum", "avg", "product", "min", "max")
 _UFUNCS = {"sum": np.add, "avg": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum}
 MIN_REGION = 1 << 20
@@ -86,6 +92,8 @@ class HostBackend:
         """parts[0] op parts[1] op ..., left to right; `avg` divides the sum by len(parts)."""
         if op not in _UFUNCS:
             raise BackendError(f"reduction {op!r} not supported; supported: {', '.join(REDUCTIONS)}")
+        if parts[0].dtype == BFLOAT16:
+            return float32_to_bfloat16(self.reduce([bfloat16_to_float32(p) for p in parts], op))
         acc = np.array(parts[0], copy=True)
         ufunc = _UFUNCS[op]
         for part in parts[1:]:
@@ -95,6 +103,20 @@ class HostBackend:
                 raise BackendError(f"avg needs a floating-point dtype, got {acc.dtype}")
             np.divide(acc, len(parts), out=acc)
         return acc
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values (raw bits) as float32: exact, the bits are float32's upper half."""
+    return (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (to nearest, ties to even; NaN stays a quiet NaN of its sign)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    nan = np.isnan(values)
+    rounded[nan] = (bits[nan] >> 16) | 0x0040
+    return rounded.astype(np.uint16).view(BFLOAT16)
 
 
 def backend(name: str) -> DeviceBackend:

@@ -100,9 +100,9 @@ def distributed_environment(env: Mapping[str, str], world_size: int) -> dict[str
     RANK, LOCAL_RANK and LOCAL_WORLD_SIZE are set per rank by the in-tree spawner. The sitecustomize
     folder on PYTHONPATH installs the proxy backend into torch.distributed.
     """
-    from singularity_slurm import interpose
+    from singularity_slurm.interpose import HOOK_DIR
 
-    hook = str(Path(interpose.__file__).parent / "pyhook")
+    hook = str(HOOK_DIR)
     path = env.get("PYTHONPATH")
     return {"WORLD_SIZE": str(world_size), "SINGULARITY_PROXY": "1",
             "PYTHONPATH": f"{hook}:{path}" if path else hook}

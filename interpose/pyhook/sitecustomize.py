@@ -1,9 +1,12 @@
 """Injected into a job's workers by `singularityctl run --world-size N` (through PYTHONPATH).
 
-Once the script has imported torch, the `singularity` backend is installed, so the
-script's own `init_process_group(...)` runs its collectives through the device proxy. Nothing is
-imported before that: a worker that never uses torch.distributed pays nothing. A sitecustomize
-further down sys.path (the interpreter's own) still runs.
+Once the script has imported torch, the `singularity` backend is installed (`_singularity_worker`,
+beside this file), so the script's own `init_process_group(...)` runs its collectives through the
+device proxy. Nothing is imported before that: a worker that never uses torch.distributed pays
+nothing. A sitecustomize further down sys.path (the interpreter's own) still runs.
+
+This runs in whatever Python the job uses, so it must at least load in old ones (they are told they
+are too old when the script imports torch): no syntax newer than Python 3.6 here.
 """
 
 import importlib.abc
@@ -28,15 +31,15 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def run_then_install(module):
             exec_module(module)
             sys.modules[name] = module
-            from singularity_slurm.interpose.torch_backend import install
+            import _singularity_worker
 
-            install()
+            _singularity_worker.activate()
 
         spec.loader.exec_module = run_then_install
         return spec
 
 
-def _chain() -> None:
+def _chain():
     """Run the next sitecustomize on sys.path, the one this file shadows."""
     here = os.path.dirname(os.path.abspath(__file__))
     for entry in sys.path:

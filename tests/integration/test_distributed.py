@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 PYTHON = str(Path(CTL).with_name("python"))
-HOOK = str(Path(interpose.__file__).parent / "pyhook")
+HOOK = str(interpose.HOOK_DIR)
 
 URGENT = """#!/bin/bash
 #SBATCH --singularity-sla=premium

@@ -12,8 +12,18 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
+from singularity_slurm.proxy import collectives
 from singularity_slurm.proxy.collectives import Group, allgather, allreduce, broadcast, chunk_bounds
-from singularity_slurm.proxy.hal import MIN_REGION, BackendError, HostBackend, backend, dtype_of
+from singularity_slurm.proxy.hal import (
+    BFLOAT16,
+    MIN_REGION,
+    BackendError,
+    HostBackend,
+    backend,
+    bfloat16_to_float32,
+    dtype_of,
+    float32_to_bfloat16,
+)
 
 # --- an in-memory fabric --------------------------------------------------------------------------
 
@@ -262,6 +272,157 @@ def test_allgather_of_empty_contributions_is_a_barrier() -> None:
     assert {p: r.size for p, r in results.items()} == {"a": 0, "b": 0}
 
 
+# --- reduce, gather, scatter, all-to-all ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("root", [0, 3])
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_4.values(), ids=PLACEMENTS_OF_4.keys())
+def test_reduce_gives_the_root_the_allreduce_bits_and_the_others_nothing(
+        placement: tuple[str, ...], root: int, op: str) -> None:
+    inputs = ragged_floats(4, 257, seed=5)
+
+    results = run_on_proxies(placement, inputs, lambda fabric, group, local: collectives.reduce(
+        fabric, HostBackend(), group, "t:1", local, op, root))
+
+    assert results.pop(placement[root]).tobytes() == in_rank_order(inputs, op).tobytes()
+    assert all(r is None for r in results.values())
+
+
+@pytest.mark.parametrize("root", [0, 2])
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_4.values(), ids=PLACEMENTS_OF_4.keys())
+def test_gather_concatenates_on_the_roots_proxy_in_group_rank_order(placement: tuple[str, ...],
+                                                                   root: int) -> None:
+    inputs = [np.array([r, 10 * r], np.int64) for r in range(4)]
+
+    results = run_on_proxies(placement, inputs, lambda fabric, group, local: collectives.gather(
+        fabric, group, "t:1", local, root))
+
+    assert results.pop(placement[root]).tolist() == [0, 0, 1, 10, 2, 20, 3, 30]
+    assert all(r is None for r in results.values())
+
+
+@pytest.mark.parametrize("root", [0, 3])
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_4.values(), ids=PLACEMENTS_OF_4.keys())
+def test_scatter_gives_each_member_its_slice_of_the_roots_data(placement: tuple[str, ...], root: int) -> None:
+    data = np.arange(12, dtype=np.float32)
+    group = Group("world", placement)
+
+    results = run_on_proxies(placement, [data] * 4, lambda fabric, group, local: collectives.scatter(
+        fabric, group, "t:1", local.get(root), root, sorted(local), 3, np.dtype(np.float32)))
+
+    for proxy, slices in results.items():
+        assert {g: s.tolist() for g, s in slices.items()} == {
+            g: [3.0 * g, 3.0 * g + 1, 3.0 * g + 2] for g in group.members_of(proxy)}
+    assert not any(np.shares_memory(s, data) for slices in results.values() for s in slices.values())
+
+
+def alltoall_counts(ranks: int) -> list[list[int]]:
+    """send[g][j]: rank g sends g + 2j elements to rank j (uneven, some empty)."""
+    return [[(g + 2 * j) % 5 for j in range(ranks)] for g in range(ranks)]
+
+
+def alltoall_inputs(send: list[list[int]]) -> list[np.ndarray]:
+    """Element k of rank g's piece for rank j is 1000 g + 100 j + k."""
+    return [np.concatenate([1000 * g + 100 * j + np.arange(n, dtype=np.float64) for j, n in enumerate(row)])
+            for g, row in enumerate(send)]
+
+
+@pytest.mark.parametrize("placement", {**PLACEMENTS_OF_4, **PLACEMENTS_OF_3}.values(),
+                         ids={**PLACEMENTS_OF_4, **PLACEMENTS_OF_3}.keys())
+def test_alltoall_with_uneven_counts_delivers_every_piece_in_rank_order(placement: tuple[str, ...]) -> None:
+    ranks = len(placement)
+    send = alltoall_counts(ranks)
+    recv = [[send[g][j] for g in range(ranks)] for j in range(ranks)]
+    inputs = alltoall_inputs(send)
+
+    results = run_on_proxies(placement, inputs, lambda fabric, group, local: collectives.alltoall(
+        fabric, group, "t:1", local, {g: send[g] for g in local}, {g: recv[g] for g in local}))
+
+    got = {g: a.tolist() for slices in results.values() for g, a in slices.items()}
+    assert got == {j: [1000 * g + 100 * j + k for g in range(ranks) for k in range(send[g][j])]
+                   for j in range(ranks)}
+
+
+@pytest.mark.parametrize("placement", [("a", "b"), ("a", "a")], ids=["2 proxies", "1 proxy"])
+def test_alltoall_names_the_ranks_that_disagree_on_a_pieces_size(placement: tuple[str, ...]) -> None:
+    send = [[1, 2], [3, 4]]
+    recv = [[1, 3], [1, 4]]  # rank 1 expects 1 element from rank 0, which sends it 2
+    inputs = alltoall_inputs(send)
+
+    with pytest.raises(ValueError, match="^rank 0 sends 2 elements to rank 1, which expects 1$"):
+        run_on_proxies(placement, inputs, lambda fabric, group, local: collectives.alltoall(
+            fabric, group, "t:1", local, {g: send[g] for g in local}, {g: recv[g] for g in local}))
+
+
+# --- bfloat16 -------------------------------------------------------------------------------------
+
+
+def bf16_inputs(ranks: int, size: int, seed: int = 13) -> list[np.ndarray]:
+    """bfloat16 values (raw bits) over many magnitudes, where rounding at each step would show."""
+    return [float32_to_bfloat16(x) for x in ragged_floats(ranks, size, seed)]
+
+
+def bf16_reference(inputs: list[np.ndarray], op: str) -> bytes:
+    """torch's own conversions: float32 values of the inputs, reduced in rank order, rounded once."""
+    torch = pytest.importorskip("torch")
+    values = [torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).float() for x in inputs]
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum,
+               "max": torch.maximum}[op](acc, v)
+    if op == "avg":
+        acc = acc / len(values)
+    return acc.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bfloat16_allreduce_accumulates_in_float32_in_rank_order_and_rounds_once_on_every_placement(
+        op: str) -> None:
+    inputs = bf16_inputs(4, 1001)
+
+    seen = {name: reduce_all(placement, inputs, op) for name, placement in PLACEMENTS_OF_4.items()}
+
+    for name, results in seen.items():
+        for proxy, result in results.items():
+            assert result.dtype == BFLOAT16
+            assert result.tobytes() == bf16_reference(inputs, op), f"{name}, proxy {proxy}"
+
+
+def test_bfloat16_sum_rounding_once_differs_from_rounding_at_each_step() -> None:
+    inputs = bf16_inputs(4, 1001)
+    stepwise = inputs[0]
+    for x in inputs[1:]:
+        stepwise = float32_to_bfloat16(bfloat16_to_float32(stepwise) + bfloat16_to_float32(x))
+
+    assert HostBackend().reduce(inputs, "sum").tobytes() != stepwise.tobytes()
+
+
+def test_bfloat16_rounds_to_nearest_even_as_torch_does() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    values = np.concatenate([rng.integers(0, 1 << 32, 20000, dtype=np.uint64).astype(np.uint32),
+                             np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00008000, 0x80000001],
+                                      np.uint32)]).view(np.float32)
+    values = values[~np.isnan(values)]
+
+    ours = float32_to_bfloat16(values).view(np.uint16)
+
+    assert ours.tobytes() == torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    assert bfloat16_to_float32(ours.view(BFLOAT16)).tobytes() == torch.from_numpy(
+        ours.view(np.int16).copy()).view(torch.bfloat16).float().numpy().tobytes()
+
+
+def test_bfloat16_nan_stays_nan_and_bits_refuse_integer_arithmetic() -> None:
+    nan = float32_to_bfloat16(np.array([np.nan, -np.nan], np.float32))
+
+    assert np.isnan(bfloat16_to_float32(nan)).all()
+    assert HostBackend().reduce([nan, float32_to_bfloat16(np.ones(2, np.float32))], "sum").view(
+        np.uint16).tolist() == nan.view(np.uint16).tolist()
+    with pytest.raises(TypeError):
+        np.add(nan, nan)
+
+
 # --- the host backend -----------------------------------------------------------------------------
 
 
@@ -292,15 +453,16 @@ def test_reduce_refuses_avg_of_non_floating_dtypes(dtype: str) -> None:
 def test_dtype_of_a_supported_name() -> None:
     assert dtype_of("float16") == np.dtype(np.float16)
     assert dtype_of("bool") == np.dtype(bool)
+    assert dtype_of("bfloat16") == BFLOAT16 and BFLOAT16.itemsize == 2
 
 
-@pytest.mark.parametrize("name", ["complex64", "bfloat16", "object", ""])
+@pytest.mark.parametrize("name", ["complex64", "uint16", "object", ""])
 def test_dtype_of_an_unsupported_name_lists_the_supported_ones(name: str) -> None:
     with pytest.raises(BackendError) as info:
         dtype_of(name)
 
-    assert str(info.value) == (f"dtype {name!r} not supported; supported: float32, float64, float16, int8, "
-                               "int16, int32, int64, uint8, bool")
+    assert str(info.value) == (f"dtype {name!r} not supported; supported: float32, float64, float16, "
+                               "bfloat16, int8, int16, int32, int64, uint8, bool")
 
 
 def test_backend_by_name() -> None:
@@ -324,3 +486,29 @@ def test_regions_are_whole_mebibytes_of_shared_memory(asked: int, size: int) -> 
     finally:
         region.close()
     assert region.fd == -1
+
+
+def test_allreduce_of_ranks_that_disagree_on_the_count_fails_on_every_proxy_without_hanging() -> None:
+    inputs = [np.ones(2, np.float32), np.ones(3, np.float32)]
+    group = Group("world", ("a", "b"))
+    exchange = Exchange()
+    errors: dict[str, str] = {}
+
+    def proxy(me: str) -> None:
+        try:
+            allreduce(MemoryFabric(me, exchange), HostBackend(), group, "t:1",
+                      {g: inputs[g] for g in group.members_of(me)}, "sum")
+        except ValueError as exc:
+            errors[me] = str(exc)
+
+    threads = [threading.Thread(target=proxy, args=(p,)) for p in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    assert errors == {
+        "a": "ranks disagree on the element count (2 here): proxy b sent 2 elements of chunk 0 for ranks "
+             "[1], not 1 each",
+        "b": "ranks disagree on the element count (3 here): proxy a sent 1 elements of chunk 0, not 2"}
+    assert exchange.inbox == {}

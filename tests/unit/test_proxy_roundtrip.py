@@ -1,15 +1,10 @@
-"""Real device proxies and real torch.distributed workers, without Slurm.
+"""Real device proxies and real torch.distributed workers, without Slurm (see `proxyjob`).
 
-The proxies run in this process (as in the integration tests' reference runs), with a job uid of this
-process's user. Workers are plain `python` processes with the job's environment: the sitecustomize on
-their PYTHONPATH installs the `singularity` backend when they import torch, so their unmodified
-`init_process_group("gloo")` goes through the proxies. Abstract socket names are global to the
-machine, so every test runs a job with a random id.
+Every operation of the backend once, the distributed cut, the proxy spoken to directly, generations.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -18,20 +13,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from proxyjob import Job
 
-from singularity_slurm import interpose
-from singularity_slurm.interpose.proxy_client import ProxyClient
-from singularity_slurm.proxy import wire
+from singularity_slurm.interpose.pyhook._singularity_worker import wire
+from singularity_slurm.interpose.pyhook._singularity_worker.proxy_client import ProxyClient
 from singularity_slurm.proxy.daemon import Proxy, ProxyError
 from singularity_slurm.proxy.hal import HostBackend
 from singularity_slurm.proxy.rendezvous import MemoryRendezvous
-
-HOOK = str(Path(interpose.__file__).parent / "pyhook")
 
 WORKER = r'''
 import json, os, sys, time
@@ -41,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from singularity_slurm.interpose import torch_backend
+from _singularity_worker import torch_backend
 
 mode, out = sys.argv[1], Path(sys.argv[2])
 dist.init_process_group("gloo", init_method="env://")
@@ -147,11 +140,19 @@ def subgroup():
 
 
 def gather():
-    dist.gather(f32(1), [f32(0) for _ in range(world)] if rank == 0 else None, dst=0)
+    gathered = [f32(0) for _ in range(world)] if rank == 1 else None
+    dist.gather(f32(rank + 0.25), gathered, dst=1)
+    return None if gathered is None else [g.tolist() for g in gathered]
 
 
 def bfloat16():
-    dist.all_reduce(torch.ones(2, dtype=torch.bfloat16))
+    t = torch.tensor([1.0, 0.00390625 * (rank + 1)], dtype=torch.bfloat16)
+    dist.all_reduce(t)
+    return t.float().tolist()
+
+
+def recv_any():
+    dist.recv(torch.empty(1))
 
 
 if mode == "ops":
@@ -159,7 +160,8 @@ if mode == "ops":
                      ("min", ReduceOp.MIN), ("product", ReduceOp.PRODUCT)):
         record(name, lambda: reduced(op))
     for operation in (int64_sum, broadcast, all_gather, all_gather_into_tensor, reduce_scatter,
-                      reduce_scatter_tensor, barrier, ring, transposed, strided, subgroup, gather, bfloat16):
+                      reduce_scatter_tensor, barrier, ring, transposed, strided, subgroup, gather, bfloat16,
+                      recv_any):
         record(operation.__name__, operation)
 elif mode == "idle":
     t = torch.ones(2)
@@ -200,7 +202,7 @@ LIGHT_WORKER = r"""
 import ctypes, sys
 from pathlib import Path
 
-from singularity_slurm.interpose.proxy_client import ProxyClient
+from singularity_slurm.interpose.pyhook._singularity_worker.proxy_client import ProxyClient
 
 job, out = sys.argv[1], Path(sys.argv[2])
 client = ProxyClient(job, 0, 1)
@@ -212,104 +214,6 @@ while not (out / "stop").exists():
                 [span], [span], 4)
 client.close()
 """
-
-
-class Job:
-    """In-process proxies for a placement, and worker processes for its ranks."""
-
-    def __init__(self, folder: Path, placement: dict[int, str], uid: int | None = None):
-        self.folder = folder
-        self.id = int.from_bytes(os.urandom(4), "big") + 10**10
-        self.placement = placement
-        rendezvous = MemoryRendezvous()
-        uid = os.getuid() if uid is None else uid
-        self.proxies = {p: Proxy(self.id, uid, p, HostBackend(), lambda: rendezvous, bind_host="127.0.0.1")
-                        for p in sorted(set(placement.values()))}
-        for proxy in self.proxies.values():
-            proxy.configure("1", placement)
-        self.workers: dict[int, subprocess.Popen] = {}
-
-    def start(self, mode: str) -> None:
-        script = self.folder / "worker.py"
-        script.write_text(WORKER)
-        for rank in sorted(self.placement):
-            env = dict(os.environ, SINGULARITY_PROXY="1", PYTHONPATH=HOOK, SINGULARITY_JOB_ID=str(self.id),
-                       RANK=str(rank), WORLD_SIZE=str(len(self.placement)), LOCAL_RANK="0",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-            with open(self.folder / f"worker-{rank}.log", "wb") as log:
-                self.workers[rank] = subprocess.Popen([sys.executable, str(script), mode, str(self.folder)],
-                                                      env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def log(self, rank: int) -> str:
-        return (self.folder / f"worker-{rank}.log").read_text(errors="replace")
-
-    def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            for rank, proc in self.workers.items():
-                if proc.poll() is not None:
-                    pytest.fail(f"rank {rank} exited with {proc.returncode} waiting for {what}:\n"
-                                f"{self.log(rank)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no {what} within {timeout:.0f}s; proxies: "
-                            f"{[p.status() for p in self.proxies.values()]}")
-            time.sleep(0.02)
-
-    def wait_for_files(self, name: str) -> None:
-        self.wait_for(f"{name} files",
-                      lambda: all((self.folder / f"{name}-{r}").exists() for r in self.workers))
-
-    def touch(self, name: str) -> None:
-        (self.folder / name).touch()
-
-    def results(self, timeout: float = 60) -> dict[int, dict]:
-        for rank, proc in self.workers.items():
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} did not finish:\n{self.log(rank)}")
-            assert code == 0, f"rank {rank} exited with {code}:\n{self.log(rank)}"
-        return {r: json.loads((self.folder / f"result-{r}.json").read_text()) for r in self.workers}
-
-    def on_every_proxy(self, action: Callable[[Proxy], dict]) -> dict[str, dict | Exception]:
-        """`action` on every proxy at once, as the node agents do: each one's answer or exception."""
-        answers: dict[str, dict | Exception] = {}
-
-        def run(proxy: Proxy) -> None:
-            try:
-                answers[proxy.id] = action(proxy)
-            except Exception as exc:
-                answers[proxy.id] = exc
-
-        threads = [threading.Thread(target=run, args=(p,)) for p in self.proxies.values()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        return answers
-
-    def close(self) -> None:
-        for proc in self.workers.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
-        for proxy in self.proxies.values():
-            proxy.stopping = True  # else a proxy whose peer closes exits the process
-        for proxy in self.proxies.values():
-            proxy.close()
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
-    jobs: list[Job] = []
-
-    def make(placement: dict[int, str], uid: int | None = None) -> Job:
-        jobs.append(Job(tmp_path, placement, uid))
-        return jobs[-1]
-
-    yield make
-    for made in jobs:
-        made.close()
 
 
 def socket_inodes(pid: int) -> set[str]:
@@ -355,7 +259,7 @@ def ops_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, 
     """Every operation of the backend, once, by three workers on two proxies (two ranks on one)."""
     run = Job(tmp_path_factory.mktemp("ops"), {0: "p0", 1: "p0", 2: "p1"})
     try:
-        run.start("ops")
+        run.start(WORKER, "ops")
         yield run.results()
     finally:
         run.close()
@@ -378,10 +282,12 @@ def test_torch_collectives_through_proxies_give_exact_results(ops_results: dict[
             "transposed": [(np.arange(12.0).reshape(3, 4) * 6).T.tolist(), False],
             "strided": [[6.0, -1.0] * 3] * 2,
             "subgroup": [4.0] if rank in (0, 2) else None,
-            "gather": "ProxyError: gather is not supported by the singularity backend (supported: "
-                      "allreduce, broadcast, allgather, reduce_scatter, barrier, send, recv)",
-            "bfloat16": "ProxyError: dtype torch.bfloat16 is not supported by the singularity backend; "
-                        "supported: bool, float16, float32, float64, int16, int32, int64, int8, uint8",
+            "gather": [[0.25], [1.25], [2.25]] if rank == 1 else None,
+            "bfloat16": [3.0, 0.0234375],
+            "recv_any": "ProxyError: recv from any source is not supported by the singularity backend: "
+                        "receive from a named source rank instead (supported: allreduce, reduce, broadcast, "
+                        "allgather, gather, scatter, reduce_scatter, alltoall, barrier, monitored_barrier, "
+                        "send, recv)",
             "parks": 0,
         }, f"rank {rank}"
 
@@ -394,7 +300,7 @@ def test_torch_single_tensor_gather_and_scatter_through_proxies(ops_results: dic
 
 def test_a_worker_waiting_in_a_collective_holds_one_unix_socket_and_no_tcp_socket(job) -> None:
     run = job({0: "p0", 1: "p1"})
-    run.start("idle")
+    run.start(WORKER, "idle")
     run.wait_for_files("waiting")
     run.wait_for("rank 0 in its barrier", lambda: run.proxies["p0"].status()["ranks"] == {"0": "busy"})
 
@@ -418,7 +324,7 @@ def test_a_worker_waiting_in_a_collective_holds_one_unix_socket_and_no_tcp_socke
 
 def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish(job) -> None:
     run = job({0: "p0", 1: "p0", 2: "p1"})
-    run.start("loop")
+    run.start(WORKER, "loop")
     run.wait_for_files("looping")
 
     answers = run.on_every_proxy(lambda p: p.quiesce(timeout=30))
@@ -449,7 +355,7 @@ def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish
 
 def test_quiesce_gives_up_when_a_rank_issues_nothing_and_the_job_continues(job) -> None:
     run = job({0: "p0", 1: "p1"})
-    run.start("stall")
+    run.start(WORKER, "stall")
     run.wait_for("rank 0 waiting for the computing rank 1", lambda: (
         run.proxies["p0"].status()["ranks"], run.proxies["p1"].status()["ranks"]) == (
         {"0": "busy"}, {"1": "idle"}))
@@ -540,8 +446,8 @@ def test_operations_that_cannot_be_served_are_refused_and_the_connection_goes_on
             "ok": False, "error": "allreduce: communicator other was not registered"}
         assert rank.ask({"op": "comm", "comm": "world", "ranks": [1, 0]}) == {
             "ok": False, "error": "comm: communicator world has ranks [0, 1], rank 0 says [1, 0]"}
-        assert rank.ask({"op": "gather", "comm": "world"}) == {
-            "ok": False, "error": "gather: unknown operation 'gather'"}
+        assert rank.ask({"op": "allgatherv", "comm": "world"}) == {
+            "ok": False, "error": "allgatherv: unknown operation 'allgatherv'"}
         assert rank.ask({"op": "map", "bytes": 4096})["bytes"] == 1 << 20
         assert rank.ask({"op": "comm", "comm": "self", "ranks": [0]}) == {"ok": True}
         refusal = rank.ask({"op": "allreduce", "comm": "self", "dtype": "complex64", "count": 1,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from singularity_slurm.proxy import wire
+from singularity_slurm.interpose.pyhook._singularity_worker import wire
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ worker drops both, waits until its rank's name is served again (by the same prox
 that leaves the job running, or by a fresh proxy on whatever node the job was restored on) and sends
 the request again. So a checkpoint image of a worker never refers to a proxy or a peer.
 
-Standard library and ctypes only: tensors are copied by address, so nothing here depends on torch,
-and no Python buffer export pins the mapping when it has to go.
+Standard library and ctypes only (it runs in the job's own Python): tensors are copied by address,
+so nothing here depends on torch, and no Python buffer export pins the mapping when it has to go.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from singularity_slurm.proxy import wire
+from . import wire
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

@@ -1,8 +1,9 @@
 """The framing every proxy connection uses, and the names workers find their proxy by.
 
 A frame is a 4-byte big-endian length and a JSON object; on the worker connection, file descriptors
-(shared-memory regions) ride along with SCM_RIGHTS. Standard library only: workers import this before
-torch, and a worker's checkpoint image must not depend on anything but a name to reconnect to.
+(shared-memory regions) ride along with SCM_RIGHTS. Standard library only: workers import this in
+their own Python environment, and a worker's checkpoint image must not depend on anything but a name
+to reconnect to. The proxy (root) imports the same module.
 """
 
 from __future__ import annotations
