@@ -145,8 +145,9 @@ def run_as_step(config: Config, env: Mapping[str, str], args: list[str]) -> int:
     """From the batch script: run this same `singularityctl ARGS` as a job step and wait for it.
 
     The step reads this process's environment (the batch script's, not the step's) and output file
-    through /proc, so the command sees exactly what it would have seen in the batch script. The
-    warning signal, should a site still send it to the batch shell's children, is passed on.
+    through /proc, so the command sees exactly what it would have seen in the batch script. Signals
+    this process gets (SIGTERM as Slurm ends the job; the warning, should a site still send it to the
+    batch shell) are passed on to the step.
     """
     info = job_info(env, config)
     ctl = str(Path(sys.executable).with_name("singularityctl"))
@@ -166,7 +167,9 @@ def run_as_step(config: Config, env: Mapping[str, str], args: list[str]) -> int:
         except ProcessLookupError:
             pass
 
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+    # Passed on rather than dying of them: a shell whose child dies of a signal prints a notice
+    # ("Terminated") into the job's output when Slurm ends the job for its requeue.
+    for sig in WARNING_SIGNALS:
         signal.signal(sig, forward)
     code = proc.wait()
     code = 128 - code if code < 0 else code
@@ -447,7 +450,8 @@ class Launcher:
                 "placement": {str(r): d for r, d in placement.items()}}
 
     def start(self, argv: list[str]) -> None:
-        output = self.output or output_target() or str(Path.cwd() / f"singularity-{self.info.job_id}.out")
+        output = (self.output or output_target() or self.job_stdout()
+                  or str(Path.cwd() / f"singularity-{self.info.job_id}.out"))
         env = rank_environment(self.env, self.info)
         payload: dict[str, Any] = {"cwd": str(Path.cwd()), "output": output, "run": self.run_key}
         proxy = self.proxy_config()
@@ -461,6 +465,15 @@ class Launcher:
                  if self.info.multi_node else "")
         ranks = f", {self.world_size} ranks" if self.world_size else ""
         self.say(f"started {' '.join(argv)}{where} (tier {self.info.tier or 'unmanaged'}{ranks})")
+
+    def job_stdout(self) -> str | None:
+        """The job's output file as Slurm records it (a launcher in the user's own `srun` step,
+        whose stdout is a pipe to srun)."""
+        try:
+            path = (SlurmClient(timeout=10).job(self.info.job_id) or {}).get("StdOut", "")
+        except SingularityError:
+            return None
+        return path if path.startswith("/") else None
 
     def restore(self) -> bool:
         self.say(f"restart {self.info.restart_count}: restoring the last checkpoint")

@@ -13,6 +13,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,49 @@ def test_a_killed_proxy_requeues_the_job_from_its_last_checkpoint(jobs, config):
     for rank in range(2):
         lines = (jobs.workdir / "logs" / f"{rank}.log").read_text().splitlines()
         assert lines[-1].startswith("399 ")
+
+
+COLLECTIVES_JOB = """#!/bin/bash
+#SBATCH --singularity-sla=basic
+#SBATCH --gres=gpu:{world}
+#SBATCH -o job{world}.out
+{ctl} run --world-size {world} -- {python} train_ddp_collectives.py {args} --sleep 0.3 --log-dir logs{world}
+"""
+
+
+def test_every_collective_from_the_users_own_venv_with_2_and_4_ranks_survives_preemption(jobs, tmp_path):
+    """DDP plus async all_to_all_single, gather, scatter and all_gather_object each step, run by a
+    Python that has torch and numpy and nothing of Singularity's (the 4 ranks), and by Singularity's
+    venv (the 2 ranks); both jobs are preempted and restored."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+    from proxyjob import make_user_venv
+
+    args = ["--steps", "40"]
+    user_python = make_user_venv(jobs.workdir / "venv")
+    copy_example(jobs, "train_ddp_collectives.py")
+    pythons = {4: user_python, 2: PYTHON}
+    ids = {world: jobs.submit(jobs.script(f"collectives{world}.sh", COLLECTIVES_JOB.format(
+        world=world, ctl=CTL, python=pythons[world], args=" ".join(args)))) for world in (4, 2)}
+    references = {}
+    for world in (4, 2):
+        (tmp_path / str(world)).mkdir()
+        references[world] = reference_logs(tmp_path / str(world), "train_ddp_collectives.py", args,
+                                           world=world, per_proxy=1)
+
+    def steps(world: int) -> int:
+        paths = [jobs.workdir / f"logs{world}" / f"{rank}.log" for rank in range(world)]
+        return min(len(p.read_text().splitlines()) if p.exists() else 0 for p in paths)
+
+    for world in (4, 2):
+        job_id = ids[world]
+        jobs.wait(job_id, lambda r, w=world: steps(w) >= 5, f"5 steps of {world} ranks", timeout=240)
+        jobs.wait_state(preempt(jobs, jobs.record(job_id)["NodeList"]), "COMPLETED", timeout=240)
+        out = jobs.workdir / f"job{world}.out"
+        jobs.wait(job_id, lambda r, o=out: "restored checkpoint" in o.read_text(), "restored", timeout=240)
+    for world in (4, 2):
+        jobs.wait_state(ids[world], "COMPLETED", timeout=300)
+        text = (jobs.workdir / f"job{world}.out").read_text()
+        assert "distributed cut in" in text
+        for rank in range(world):
+            log = (jobs.workdir / f"logs{world}" / f"{rank}.log").read_text()
+            assert log == references[world][rank], f"{world} ranks, rank {rank}"

@@ -24,7 +24,7 @@ README = Path(__file__).parents[2] / "README.md"
 # The user's train.py of the README's example: the reference workload, 30 steps an epoch.
 TRAIN_PY = """import runpy, sys
 epochs = int(sys.argv[sys.argv.index("--epochs") + 1])
-sys.argv = ["train_reference.py", "--steps", str(30 * epochs), "--sleep", "0.1"]
+sys.argv = ["train_reference.py", "--steps", str(30 * epochs), "--sleep", "{sleep}"]
 runpy.run_path("train_reference.py", run_name="__main__")
 """
 HEADER = """#SBATCH --singularity-sla=basic
@@ -34,7 +34,8 @@ HEADER = """#SBATCH --singularity-sla=basic
 COMMAND = "singularityctl run -- python train.py --epochs 10"
 FORMS = {
     "sh": "#!/bin/sh\n{header}" + COMMAND + "\n",
-    "login": "#!/bin/bash -l\n{header}" + COMMAND + "\n",
+    # A login shell reads the profile, which resets PATH: the user activates their venv again.
+    "login": "#!/bin/bash -l\n{header}source " + str(BIN / "activate") + "\n" + COMMAND + "\n",
     "set-e": "#!/bin/bash\n{header}set -e\necho before\n" + COMMAND + "\necho after\n",
     "srun": "#!/bin/bash\n{header}srun " + COMMAND + "\n",
     "runs": ("#!/bin/bash\n{header}singularityctl run -- python -c 'print(\"run A\")'\n" + COMMAND
@@ -74,10 +75,10 @@ def reference_log() -> str:
     return proc.stdout
 
 
-def _prepare(jobs) -> None:
+def _prepare(jobs, sleep: float = 0.1) -> None:
+    """The user's train.py; `sleep` (seconds per step) stretches the training, not its log."""
     shutil.copy(EXAMPLE, jobs.workdir)
-    for name, text in (("train.py", TRAIN_PY),):
-        (jobs.workdir / name).write_text(text)
+    (jobs.workdir / "train.py").write_text(TRAIN_PY.format(sleep=sleep))
     for name in ("train.py", "train_reference.py"):
         shutil.chown(jobs.workdir / name, jobs.user)
 
@@ -135,7 +136,7 @@ def test_the_readme_example_as_printed_survives_two_preemptions_and_a_migration_
 
 
 def test_every_script_form_is_checkpointed_requeued_and_completes_identically(jobs, reference_log):
-    _prepare(jobs)
+    _prepare(jobs, sleep=0.3)  # the second node's jobs must still run once the first node's restored
     ids: dict[str, int] = {}
     for name, form in FORMS.items():
         script = jobs.script(f"{name}.sh", form.format(header=HEADER.format(name=name)))

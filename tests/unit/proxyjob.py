@@ -9,8 +9,10 @@ the machine, so every job has a random id.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -115,3 +117,38 @@ class Job:
             proxy.stopping = True  # else a proxy whose peer closes exits the process
         for proxy in self.proxies.values():
             proxy.close()
+
+
+def requirement_closure(names: list[str]) -> list[importlib.metadata.Distribution]:
+    """The installed distributions of `names` and of what they require at run time (no extras)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
+        if key in found:
+            continue
+        found[key] = dist
+        for requirement in dist.requires or []:
+            if "extra ==" not in requirement:
+                todo.append(re.match(r"[A-Za-z0-9._-]+", requirement).group(0))
+    return list(found.values())
+
+
+def make_user_venv(venv: Path) -> Path:
+    """A user's venv at `venv`: another interpreter whose site-packages hold torch, numpy and torch's
+    run-time requirements (linked from this environment) and nothing of the project's; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    for dist in requirement_closure(["torch", "numpy"]):
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (site / top).exists():
+                (site / top).symlink_to(source)
+    return python

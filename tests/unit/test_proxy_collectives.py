@@ -9,16 +9,14 @@ backend cannot serve fails at once, on every rank, and the job goes on.
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from proxyjob import HOOK, Job
+from proxyjob import HOOK, Job, make_user_venv
 
 WORKER = r'''
 import datetime, json, sys, time
@@ -444,41 +442,10 @@ def test_a_cut_among_the_new_collectives_is_consistent_and_the_job_goes_on(job) 
 # --- in the job's own Python -----------------------------------------------------------------------
 
 
-def requirement_closure(names: list[str]) -> list[importlib.metadata.Distribution]:
-    """The installed distributions of `names` and of what they require at run time (no extras)."""
-    found: dict[str, importlib.metadata.Distribution] = {}
-    todo = list(names)
-    while todo:
-        name = todo.pop()
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        key = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
-        if key in found:
-            continue
-        found[key] = dist
-        for requirement in dist.requires or []:
-            if "extra ==" not in requirement:
-                todo.append(re.match(r"[A-Za-z0-9._-]+", requirement).group(0))
-    return list(found.values())
-
-
 @pytest.fixture(scope="module")
 def foreign_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A user's venv: another interpreter whose site-packages hold torch, numpy and torch's run-time
-    requirements (linked from this environment) and nothing of the project's."""
-    venv = tmp_path_factory.mktemp("user") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    for dist in requirement_closure(["torch", "numpy"]):
-        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}:
-            source = Path(dist.locate_file(top))
-            if source.exists() and not (site / top).exists():
-                (site / top).symlink_to(source)
-    return python
+    """A user's venv: torch, numpy and torch's run-time requirements, nothing of the project's."""
+    return make_user_venv(tmp_path_factory.mktemp("user") / "venv")
 
 
 def test_the_users_python_has_torch_but_nothing_of_the_project(foreign_python: Path) -> None:
