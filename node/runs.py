@@ -24,6 +24,7 @@ from typing import Any
 FILE_NAME = "runs.json"
 MAX_RUNS = 1000
 MAX_FILE = 1 << 20
+MAX_DESCRIPTION = 200
 
 
 class RunRecordError(Exception):
@@ -34,6 +35,12 @@ def key_of(index: int, command: list[str]) -> str:
     """A run's identity: its position in the batch script and a digest of its command."""
     digest = hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
     return f"{index}-{digest}"
+
+
+def describe(command: list[str]) -> str:
+    """The command as a person reads it, bounded: the key, not this, is the run's identity."""
+    text = " ".join(command)
+    return text if len(text) <= MAX_DESCRIPTION else text[:MAX_DESCRIPTION - 3] + "..."
 
 
 def begin(records: dict[str, dict[str, Any]], index: int,
@@ -49,7 +56,7 @@ def begin(records: dict[str, dict[str, Any]], index: int,
         return records, dict(known)
     # A new run, or the script diverged here: what came after this point no longer applies.
     kept = {i: r for i, r in records.items() if i.isdigit() and int(i) < index}
-    kept[str(index)] = {"key": key, "command": command, "state": "running", "exit_status": None}
+    kept[str(index)] = {"key": key, "command": describe(command), "state": "running", "exit_status": None}
     return kept, None
 
 

@@ -140,25 +140,21 @@ def reduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
 
     Each element is combined exactly as allreduce combines it, so the root gets the same bits.
     """
-    owner = group.owners[root]
-    local = sorted(inputs)
-    if owner != fabric.me:
-        fabric.send(owner, tag, [inputs[g] for g in local])
-        return None
-    first = inputs[local[0]]
-    parts = dict(inputs)
-    for peer in group.proxies:
-        if peer != fabric.me:
-            members = group.members_of(peer)
-            data = np.frombuffer(fabric.take(tag, peer), dtype=first.dtype)
-            for i, g in enumerate(members):
-                parts[g] = data[i * first.size:(i + 1) * first.size]
-    return backend.reduce([parts[g] for g in range(len(group.owners))], op)
+    parts = _at_root(fabric, group, tag, inputs, root)
+    return None if parts is None else backend.reduce(parts, op)
 
 
 def gather(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.ndarray],
            root: int) -> np.ndarray | None:
     """Every member's contribution, concatenated in group-rank order, on the root's proxy."""
+    parts = _at_root(fabric, group, tag, inputs, root)
+    return None if parts is None else np.concatenate(parts)
+
+
+def _at_root(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.ndarray],
+             root: int) -> list[np.ndarray] | None:
+    """On the root's proxy, every member's contribution in group-rank order; None elsewhere (this
+    proxy's contributions are sent to the root's)."""
     owner = group.owners[root]
     local = sorted(inputs)
     if owner != fabric.me:
@@ -175,7 +171,7 @@ def gather(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.ndarr
                                  f"expected {first.size} each")
             for i, g in enumerate(members):
                 pieces[g] = data[i * first.size:(i + 1) * first.size]
-    return np.concatenate([pieces[g] for g in range(len(group.owners))])
+    return [pieces[g] for g in range(len(group.owners))]
 
 
 def scatter(fabric: Fabric, group: Group, tag: str, data: np.ndarray | None, root: int,

@@ -260,8 +260,6 @@ def test_every_collective_from_the_users_own_venv_with_2_and_4_ranks_survives_pr
     user_python = make_user_venv(jobs.workdir / "venv")
     copy_example(jobs, "train_ddp_collectives.py")
     pythons = {4: user_python, 2: PYTHON}
-    ids = {world: jobs.submit(jobs.script(f"collectives{world}.sh", COLLECTIVES_JOB.format(
-        world=world, ctl=CTL, python=pythons[world], args=" ".join(args)))) for world in (4, 2)}
     references = {}
     for world in (4, 2):
         (tmp_path / str(world)).mkdir()
@@ -272,8 +270,10 @@ def test_every_collective_from_the_users_own_venv_with_2_and_4_ranks_survives_pr
         paths = [jobs.workdir / f"logs{world}" / f"{rank}.log" for rank in range(world)]
         return min(len(p.read_text().splitlines()) if p.exists() else 0 for p in paths)
 
-    for world in (4, 2):
-        job_id = ids[world]
+    ids = {}
+    for world in (4, 2):  # one after the other: a job is preempted while the other has not begun
+        job_id = ids[world] = jobs.submit(jobs.script(f"collectives{world}.sh", COLLECTIVES_JOB.format(
+            world=world, ctl=CTL, python=pythons[world], args=" ".join(args))))
         jobs.wait(job_id, lambda r, w=world: steps(w) >= 5, f"5 steps of {world} ranks", timeout=240)
         jobs.wait_state(preempt(jobs, jobs.record(job_id)["NodeList"]), "COMPLETED", timeout=240)
         out = jobs.workdir / f"job{world}.out"

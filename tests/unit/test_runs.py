@@ -26,7 +26,7 @@ def test_a_new_run_begins_running_with_nothing_known_before() -> None:
     records, before = runs.begin({}, 0, TRAIN)
 
     assert before is None
-    assert records == {"0": {"key": runs.key_of(0, TRAIN), "command": TRAIN, "state": "running",
+    assert records == {"0": {"key": runs.key_of(0, TRAIN), "command": "python train.py", "state": "running",
                              "exit_status": None}}
 
 
@@ -37,7 +37,8 @@ def test_after_a_requeue_a_finished_run_is_reported_with_its_status() -> None:
     again, before = runs.begin(records, 0, TRAIN)
 
     assert again == records
-    assert before == {"key": runs.key_of(0, TRAIN), "command": TRAIN, "state": "finished", "exit_status": 3}
+    assert before == {"key": runs.key_of(0, TRAIN), "command": "python train.py", "state": "finished",
+                      "exit_status": 3}
 
 
 def test_after_a_requeue_the_interrupted_run_is_reported_running() -> None:
@@ -54,7 +55,16 @@ def test_a_script_that_diverged_forgets_the_runs_from_the_first_mismatch_on() ->
     changed, before = runs.begin(records, 0, EVAL)
 
     assert before is None
-    assert list(changed) == ["0"] and changed["0"]["command"] == EVAL
+    assert list(changed) == ["0"] and changed["0"]["command"] == "python eval.py"
+
+
+def test_a_long_command_is_recorded_shortened_and_still_known_by_its_whole_text() -> None:
+    command = ["python", "train.py", "--tag", "x" * 1000]
+    records, _ = runs.begin({}, 0, command)
+
+    assert len(records["0"]["command"]) == runs.MAX_DESCRIPTION
+    assert records["0"]["command"].endswith("...")
+    assert runs.begin(records, 0, command[:-1] + ["y" * 1000])[1] is None
 
 
 @pytest.mark.parametrize("index", [-1, runs.MAX_RUNS, True, "0"])
