@@ -502,14 +502,19 @@ class CommandServer:
             self._seen[request.request_id] = now
 
     def _carry_out(self, client: redis.Redis, request: Request, multi_node: bool) -> None:
+        after_reply: list = []  # e.g. the launcher's requeue waits until the answer is in Redis
         try:
-            reply = self.state.dispatch(agent_request(request, multi_node))
-        except Exception as exc:  # the caller's error, never the agent's end
-            LOG.exception("job %s node %s: %s failed", self.job_id, self.node, request.op)
-            reply = {"ok": False, "error": f"{request.op} failed: {exc}"}
-        LOG.info("job %s node %s: request %s answered: %s", self.job_id, self.node, request.request_id,
-                 "ok" if reply.get("ok") else reply.get("error"))
-        self._answer(client, request.request_id, reply)
+            try:
+                reply = self.state.dispatch(agent_request(request, multi_node), after_reply)
+            except Exception as exc:  # the caller's error, never the agent's end
+                LOG.exception("job %s node %s: %s failed", self.job_id, self.node, request.op)
+                reply = {"ok": False, "error": f"{request.op} failed: {exc}"}
+            LOG.info("job %s node %s: request %s answered: %s", self.job_id, self.node, request.request_id,
+                     "ok" if reply.get("ok") else reply.get("error"))
+            self._answer(client, request.request_id, reply)
+        finally:
+            for callback in after_reply:
+                callback()
 
     def _answer(self, client: redis.Redis, request_id: str, reply: dict[str, Any]) -> None:
         key = keys.job_reply(self.job_id, request_id)

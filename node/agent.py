@@ -18,7 +18,8 @@ Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error
   kill {}                                end the tree now
   requeue {exclude}                      requeue the job in Slurm (away from `exclude` nodes) and
                                          lift its requeue delay
-  migrate {exclude}                      checkpoint (the tree stops), then requeue away from `exclude`
+  migrate {exclude}                      (through the launcher) checkpoint every node, the trees stop,
+                                         then requeue away from `exclude`
   latest {run}                           the newest committed checkpoint of the job, or null
   generations {rank, run}                generations of this node's multi-node checkpoints
   run_begin {command}                    the launcher of the job's next `singularityctl run` line:
@@ -47,6 +48,7 @@ import argparse
 import enum
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -119,7 +121,8 @@ class AgentState:
         self.commands: queue.Queue[dict] = queue.Queue()
         self.command_results: queue.Queue[dict] = queue.Queue()
         self.launcher_polls_until = 0.0
-        self.delivered: threading.Event | None = None  # set once a command's answer reached its caller
+        self.pending: dict | None = None  # the request handed to the launcher, one at a time
+        self.delivered: threading.Event | None = None  # set once its answer reached its caller
         self.next_run_index = 0
         self.run_key: str | None = None  # the `singularityctl run` whose tree runs here
         self.lock = threading.Condition()
@@ -132,14 +135,17 @@ class AgentState:
 
     def handle(self, request: dict, peer_uid: int, after_reply: list | None = None) -> dict:
         """Serve one request. `after_reply` collects callbacks to run once the caller has the reply."""
-        _CALL.after_reply = after_reply
         if not authorized(peer_uid, self.job_uid):
             return {"ok": False, "error": f"uid {peer_uid} may not act on job {self.job_id}"}
-        return self.dispatch(request)
+        return self.dispatch(request, after_reply)
 
-    def dispatch(self, request: dict) -> dict:
+    def dispatch(self, request: dict, after_reply: list | None = None) -> dict:
         """Carry out a request whose caller is already authorised (by SO_PEERCRED in `handle`, or by
-        munge for admin requests through Redis, see `coordinator.commands`)."""
+        munge for admin requests through Redis, see `coordinator.commands`).
+
+        `after_reply`: callbacks to run once the caller has the answer (None: run them at return).
+        """
+        _CALL.after_reply = after_reply
         op = request.get("op")
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
@@ -378,36 +384,35 @@ class AgentState:
         exclude = request.get("exclude") or []
         if not isinstance(exclude, list) or not all(isinstance(n, str) and n for n in exclude):
             raise RequestError("migrate: exclude must be a list of node names")
-        if time.monotonic() < self.launcher_polls_until:
-            # A multi-node job: its launcher checkpoints every node and requeues.
-            return {**self._through_launcher({"op": "migrate", "exclude": exclude}), "exclude": exclude}
-        summary = self.op_checkpoint({"reason": "migrate", "stop": True})
-        # The requeue ends every step of the job, the caller's included: answer first.
-        timer = threading.Timer(0.5, self._requeue_quietly, args=(exclude,))
-        timer.daemon = True
-        timer.start()
-        return {**summary, "exclude": exclude}
-
-    def _requeue_quietly(self, exclude: list[str]) -> None:
-        try:
-            self._need_engine().requeue(self.job_id, exclude)
-        except Exception:
-            LOG.exception("job %s: requeue after migration checkpoint failed", self.job_id)
+        # The launcher checkpoints every node, answers, then requeues (which ends the caller's step).
+        return {**self._through_launcher({"op": "migrate", "exclude": exclude}), "exclude": exclude}
 
     def _through_launcher(self, command: dict) -> dict:
-        """Hand a request to the launcher of a multi-node job and wait for its outcome."""
+        """Hand a request to the job's launcher and wait for its outcome."""
         if time.monotonic() >= self.launcher_polls_until:
             raise RequestError(f"job {self.job_id} has no launcher waiting for requests on {self.node} "
-                               "(not a multi-node `singularityctl run` job, or it is starting or ending)")
+                               "(not a `singularityctl run` job, or it is starting or ending); try again "
+                               "once it runs")
         delivered = threading.Event()
-        self.delivered = delivered
         after_reply = getattr(_CALL, "after_reply", None)
+        with self.lock:
+            if self.pending is not None:
+                raise RequestError(f"the job's launcher is carrying out another request "
+                                   f"({self.pending['op']}); try again when it is done")
+            command = {**command, "id": os.urandom(8).hex()}
+            self.pending, self.delivered = command, delivered
+            while not self.command_results.empty():  # an answer to a request that gave up waiting
+                self.command_results.get_nowait()
         self.commands.put(command)
         try:
             result = self.command_results.get(timeout=900)
         except queue.Empty:
             raise RequestError(f"the job's launcher did not carry out {command['op']}") from None
         finally:
+            with self.lock:
+                self.pending = None
+                while not self.commands.empty():  # not taken by the launcher: withdrawn
+                    self.commands.get_nowait()
             if after_reply is None:
                 delivered.set()  # the caller is in this process (no connection to wait for)
             else:
@@ -420,7 +425,10 @@ class AgentState:
         return self._through_launcher({"op": "checkpoint"})
 
     def op_next_command(self, request: dict) -> dict:
-        timeout = min(max(float(request.get("timeout") or 30), 0.1), 120)
+        timeout = float(request.get("timeout") or 30)
+        if not math.isfinite(timeout):
+            raise RequestError("next_command: timeout must be a number of seconds")
+        timeout = min(max(timeout, 0.1), 120)
         self.launcher_polls_until = time.monotonic() + timeout + 15
         try:
             return {"command": self.commands.get(timeout=timeout)}
@@ -431,7 +439,12 @@ class AgentState:
         result = request.get("result")
         if not isinstance(result, dict):
             raise RequestError("command_done needs result: an object")
-        self.command_results.put(result)
+        with self.lock:
+            pending = self.pending
+            if pending is None or request.get("id") != pending["id"]:
+                raise RequestError(f"command_done: no request {request.get('id')!r} is being carried out")
+            self.command_results.put({"ok": bool(result.get("ok")), "error": result.get("error"),
+                                      "summary": result.get("summary")})
         delivered = self.delivered
         if delivered is not None:
             # The launcher requeues next, which ends the caller's job step: let the answer reach it.

@@ -51,7 +51,6 @@ REQUEUE_WAIT_S = 300.0
 """How long a launcher that asked for a requeue waits for Slurm to end it with the job."""
 
 
-
 class LaunchError(SingularityError):
     """The launcher cannot run the job here (not in a Slurm job, no agent)."""
 
@@ -161,7 +160,11 @@ def run_as_step(config: Config, env: Mapping[str, str], args: list[str]) -> int:
         raise LaunchError(f"cannot start the launcher step with srun: {exc}; is Slurm's srun on "
                           "PATH?") from exc
 
+    ended = threading.Event()  # Slurm is ending the job (SIGTERM): a requeue, a cancel, the time limit
+
     def forward(signum, frame):
+        if signum == signal.SIGTERM:
+            ended.set()
         try:
             proc.send_signal(signum)
         except ProcessLookupError:
@@ -173,15 +176,15 @@ def run_as_step(config: Config, env: Mapping[str, str], args: list[str]) -> int:
         signal.signal(sig, forward)
     code = proc.wait()
     code = 128 - code if code < 0 else code
-    if code != 0 and being_preempted(info.job_id):
+    if code != 0 and not ended.is_set() and being_preempted(info.job_id):
         # The warning came before the step could catch it (while Python started), or the step
         # failed while the job was being preempted: requeue, so the job resumes from its last
         # checkpoint instead of ending with this status.
-        return requeue_from_front(config, info, code)
+        return requeue_from_front(config, info, code, ended)
     return code
 
 
-def requeue_from_front(config: Config, info: JobInfo, code: int) -> int:
+def requeue_from_front(config: Config, info: JobInfo, code: int, ended: threading.Event) -> int:
     say = _stderr_say(sys.stderr)
     prefix = f"[singularity] job {info.job_id} on {info.node}"
     say(f"{prefix}: the launcher step ended with status {code} while the job is being preempted; "
@@ -194,9 +197,8 @@ def requeue_from_front(config: Config, info: JobInfo, code: int) -> int:
     if not reply.get("ok"):
         say(f"{prefix}: requeue failed: {reply.get('error')}")
         return code
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
-    time.sleep(REQUEUE_WAIT_S)  # the requeue ends the batch script with the job; this is a bound
-    say(f"{prefix}: Slurm did not end the job within {REQUEUE_WAIT_S:.0f}s of its requeue")
+    if not ended.wait(REQUEUE_WAIT_S):  # the requeue ends the batch script with the job
+        say(f"{prefix}: Slurm did not end the job within {REQUEUE_WAIT_S:.0f}s of its requeue")
     return code
 
 
@@ -382,7 +384,7 @@ class Launcher:
         elif isinstance(action, lifecycle.Answer):
             result = {"ok": action.ok, "error": action.error, "summary": self.last_summary}
             try:
-                self.agent({"op": "command_done", "result": result}, timeout=60)
+                self.agent({"op": "command_done", "id": action.to, "result": result}, timeout=60)
             except LaunchError as exc:
                 self.say(f"could not answer the request: {exc}")
         elif isinstance(action, lifecycle.FinishRun):
@@ -433,8 +435,8 @@ class Launcher:
                 time.sleep(5)  # an agent that refuses the poll: do not spin
             elif reply.get("command"):
                 command = reply["command"]
-                self.events.put(lifecycle.Command(str(command.get("op")),
-                                                  tuple(command.get("exclude") or ())))
+                self.events.put(lifecycle.Command(str(command.get("op")), tuple(command.get("exclude") or ()),
+                                                  str(command.get("id") or "")))
 
     def proxy_config(self) -> dict | None:
         """The rendezvous of a distributed job's proxies for this start or restore, or None."""

@@ -97,6 +97,7 @@ class Command:
 
     op: str
     exclude: tuple[str, ...] = ()
+    id: str = ""  # the agent's id of the request, which the answer names
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,11 @@ class Requeue:
 
 @dataclass(frozen=True)
 class Answer:
-    """The outcome of the admin command being carried out."""
+    """The outcome of the admin command `to` (its id)."""
 
     ok: bool
     error: str | None = None
+    to: str = ""
 
 
 @dataclass(frozen=True)
@@ -250,7 +252,7 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
 
     if isinstance(event, Command):
         if phase != Phase.RUNNING:
-            return state, [Answer(False, f"the job is {phase}; try again once it runs")]
+            return state, [Answer(False, f"the job is {phase}; try again once it runs", event.id)]
         if event.op == "migrate":
             away = ",".join(event.exclude) or "nothing"
             new, actions = _stop(replace(state, command=event, exclude=event.exclude), "migrate")
@@ -258,7 +260,7 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
         if event.op == "checkpoint":
             return (replace(state, phase=Phase.CHECKPOINTING, command=event, checkpoint_reason="manual"),
                     [Checkpoint("manual", stop=False)])
-        return state, [Answer(False, f"unknown command {event.op!r}; valid: checkpoint, migrate")]
+        return state, [Answer(False, f"unknown command {event.op!r}; valid: checkpoint, migrate", event.id)]
 
     if isinstance(event, CheckpointDone | CheckpointFailed):
         return _checkpoint_outcome(state, event)
@@ -296,7 +298,7 @@ def _checkpoint_outcome(state: State, event: CheckpointDone | CheckpointFailed) 
     if state.phase == Phase.STOPPING:
         actions: list[Action] = []
         if state.command is not None:
-            actions.append(Answer(True) if ok else Answer(False, event.error))  # type: ignore[union-attr]
+            actions.append(_answer(state.command, event))
         if ok:
             actions.append(Say(describe("checkpoint", event.summary)))  # type: ignore[union-attr]
         else:
@@ -310,7 +312,7 @@ def _checkpoint_outcome(state: State, event: CheckpointDone | CheckpointFailed) 
     what = "requested checkpoint" if reason == "manual" else "periodic checkpoint"
     actions = []
     if state.command is not None:
-        actions.append(Answer(True) if ok else Answer(False, event.error))  # type: ignore[union-attr]
+        actions.append(_answer(state.command, event))
     actions.append(Say(describe(what, event.summary) if ok  # type: ignore[union-attr]
                        else f"{what} failed, the job continues: {event.error}"))  # type: ignore[union-attr]
     back = replace(state, phase=Phase.RUNNING, command=None, checkpoint_reason=None, ended=None)
@@ -321,6 +323,12 @@ def _checkpoint_outcome(state: State, event: CheckpointDone | CheckpointFailed) 
         new, more = _stop(back, "preempt", state.stop_pending)
         return new, [*actions, *more]
     return back, actions
+
+
+def _answer(command: Command, event: CheckpointDone | CheckpointFailed) -> Answer:
+    if isinstance(event, CheckpointDone):
+        return Answer(True, to=command.id)
+    return Answer(False, event.error, command.id)
 
 
 def mib(n: int | None) -> str:

@@ -496,9 +496,12 @@ class Launcher:
 
     def run(self) -> None:
         reply = self.state.handle({"op": "next_command", "timeout": 10}, JOB_UID)
-        self.received.append(reply)
         if reply.get("command"):
-            self.state.handle({"op": "command_done", "result": self.result}, JOB_UID)
+            command = dict(reply["command"])
+            self.state.handle({"op": "command_done", "id": command.pop("id"), "result": self.result},
+                              JOB_UID)
+            reply = {**reply, "command": command}
+        self.received.append(reply)
 
     def __enter__(self) -> Launcher:
         self.thread.start()
@@ -541,15 +544,16 @@ def test_launcher_checkpoint_is_handed_to_the_polling_launcher() -> None:
     assert reply == {"ok": True, "seq": 5}
 
 
-def test_launcher_checkpoint_without_a_polling_launcher_is_refused() -> None:
-    assert AgentState(7, JOB_UID, "n9").handle({"op": "launcher_checkpoint"}, JOB_UID) == {
-        "ok": False, "error": "job 7 has no launcher waiting for requests on n9 (not a multi-node "
-                              "`singularityctl run` job, or it is starting or ending)"}
+NO_LAUNCHER = ("job 7 has no launcher waiting for requests on n9 (not a `singularityctl run` job, or it "
+               "is starting or ending); try again once it runs")
 
 
-def test_migrate_without_a_polling_launcher_checkpoints_on_this_node() -> None:
-    assert AgentState(7, JOB_UID, "n9").handle({"op": "migrate"}, JOB_UID) == {
-        "ok": False, "error": "this agent has no checkpoint engine"}
+@pytest.mark.parametrize("op", ["launcher_checkpoint", "migrate"])
+def test_a_request_for_the_launcher_without_a_polling_launcher_is_refused(op: str) -> None:
+    state = AgentState(7, JOB_UID, "n9")
+
+    assert state.handle({"op": op}, JOB_UID) == {"ok": False, "error": NO_LAUNCHER}
+    assert state.commands.empty()
 
 
 @pytest.mark.parametrize("exclude", ["n3", [""], [3]])
@@ -575,3 +579,58 @@ def test_the_agent_takes_admin_requests_with_the_configured_operators_and_slurms
     assert (commands.state, commands.job_id, commands.job_uid, commands.node, commands.operators) == (
         state, 7, JOB_UID, "n9", ("ops",))
     assert commands.locate() == {"BatchHost": "n9"} and asked == [7]
+
+
+def test_an_answer_to_no_request_is_refused_and_reaches_no_later_request() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+
+    forged = state.handle({"op": "command_done", "id": "x", "result": {"ok": True, "summary": {"seq": 9}}},
+                          JOB_UID)
+
+    assert forged == {"ok": False, "error": "command_done: no request 'x' is being carried out"}
+    with Launcher(state, {"ok": True, "summary": {"seq": 4}}):
+        assert state.handle({"op": "launcher_checkpoint"}, JOB_UID) == {"ok": True, "seq": 4}
+
+
+def test_an_answer_naming_another_request_is_refused() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+    state.launcher_polls_until = time.monotonic() + 60
+    replies: list[dict] = []
+    caller = threading.Thread(target=lambda: replies.append(state.handle({"op": "launcher_checkpoint"},
+                                                                         JOB_UID)))
+    caller.start()
+    command = state.handle({"op": "next_command", "timeout": 5}, JOB_UID)["command"]
+
+    wrong = state.handle({"op": "command_done", "id": "0" * 16, "result": {"ok": True}}, JOB_UID)
+    right = state.handle({"op": "command_done", "id": command["id"], "result": {"ok": False,
+                                                                                 "error": "no cut"}}, JOB_UID)
+    caller.join(timeout=15)
+
+    assert wrong["ok"] is False and "no request" in wrong["error"]
+    assert right == {"ok": True}
+    assert replies == [{"ok": False, "error": "checkpoint failed: no cut"}]
+
+
+def test_a_second_request_while_the_launcher_carries_one_out_is_refused() -> None:
+    state = AgentState(7, JOB_UID, "n9")
+    state.launcher_polls_until = time.monotonic() + 60
+    caller = threading.Thread(target=lambda: state.handle({"op": "launcher_checkpoint"}, JOB_UID))
+    caller.start()
+    command = state.handle({"op": "next_command", "timeout": 5}, JOB_UID)["command"]
+
+    second = state.handle({"op": "migrate", "exclude": ["n1"]}, JOB_UID)
+    state.handle({"op": "command_done", "id": command["id"], "result": {"ok": True}}, JOB_UID)
+    caller.join(timeout=15)
+
+    assert second == {"ok": False, "error": "the job's launcher is carrying out another request "
+                                            "(checkpoint); try again when it is done"}
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-inf"])
+def test_a_poll_with_a_timeout_that_is_not_finite_is_refused(timeout: str) -> None:
+    state = AgentState(7, JOB_UID, "n9")
+
+    reply = state.handle({"op": "next_command", "timeout": float(timeout)}, JOB_UID)
+
+    assert reply == {"ok": False, "error": "next_command: timeout must be a number of seconds"}
+    assert state.launcher_polls_until == 0.0

@@ -335,7 +335,7 @@ class FakeState:
         self.requests: list[dict] = []
         self.fail = fail
 
-    def dispatch(self, request: dict) -> dict:
+    def dispatch(self, request: dict, after_reply: list | None = None) -> dict:
         self.requests.append(request)
         if self.fail:
             raise RuntimeError("disk on fire")

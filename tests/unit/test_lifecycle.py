@@ -259,13 +259,13 @@ def test_a_requested_checkpoint_is_answered_after_it_is_committed() -> None:
 
 
 def test_a_migration_checkpoints_answers_then_requeues_away_from_the_nodes() -> None:
-    state, actions = run(Command("migrate", ("n1",)), state=running())
+    state, actions = run(Command("migrate", ("n1",), id="c1"), state=running())
     assert state.phase == Phase.STOPPING
     assert without_says(actions) == [Checkpoint("migrate", stop=True)]
     assert actions[0] == Say("migration requested (away from n1): checkpointing")
 
     state, actions = run(TreeEnded("dumped", 0), CheckpointDone(SUMMARY), RequeueDone(), state=state)
-    assert without_says(actions) == [Answer(True), Requeue(("n1",))]
+    assert without_says(actions) == [Answer(True, to="c1"), Requeue(("n1",))]
     assert actions[-1] == Say("requeued away from n1")
     assert state.phase == Phase.REQUEUED
 
@@ -279,10 +279,10 @@ def test_a_failed_migration_answers_the_error_and_requeues_in_place_from_the_las
 
 @pytest.mark.parametrize("phase", [Phase.STARTING, Phase.CHECKPOINTING, Phase.STOPPING, Phase.REQUEUED])
 def test_a_command_outside_running_is_refused_with_the_phase(phase: Phase) -> None:
-    state, actions = step(State(phase=phase), Command("migrate"))
+    state, actions = step(State(phase=phase), Command("migrate", id="c7"))
 
     assert state == State(phase=phase)
-    assert actions == [Answer(False, f"the job is {phase}; try again once it runs")]
+    assert actions == [Answer(False, f"the job is {phase}; try again once it runs", to="c7")]
 
 
 def test_an_unknown_command_is_refused_naming_the_valid_ones() -> None:
