@@ -113,7 +113,12 @@ def run(config_path: Path | None, checkpoint_interval: float | None, world_size:
 
     On the first start COMMAND is started; after a requeue the last checkpoint is restored and
     COMMAND continues where it stopped. The preemption warning signal (SIGUSR2; SIGTERM as a
-    fallback) checkpoints and requeues the job.
+    fallback) checkpoints and requeues the job. Written in a batch script, `run` starts itself as a
+    job step (srun --overlap), which Slurm's warning reaches: no `exec` or trap is needed, and the
+    lines after it run once COMMAND has ended. The exit status is COMMAND's.
+
+    A script may hold several `run` lines: after a requeue, runs that had finished return their
+    recorded exit status without running again, and the interrupted one resumes.
 
     Without --world-size, COMMAND runs once per node of the job (RANK is the node's index). With
     --world-size N it runs as N ranks with the environment torchrun gives (RANK, LOCAL_RANK,

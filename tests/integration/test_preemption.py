@@ -45,8 +45,9 @@ def _preempt(jobs, *victim_options: str) -> tuple[int, int, str]:
 def test_premium_job_preempts_basic_job_which_gets_the_default_signal_and_is_requeued(jobs):
     victim, premium, output = _preempt(jobs)
     assert "start restart=0" in output
-    # The warning goes to the job's steps (the launcher is one), never to the batch shell.
-    assert _first_signal(output) == "step signal USR2"
+    # The warning goes to the job's steps (the launcher is one), never to the batch shell. (The
+    # batch shell's SIGTERM from the requeue may be written before srun relays the step's line.)
+    assert "step signal USR2" in output
     assert "batch signal USR2" not in output
     status = {j["job_id"]: j for j in ctl_json("status")}
     assert status[victim]["tier"] == "basic"
@@ -57,9 +58,6 @@ def test_premium_job_preempts_basic_job_which_gets_the_default_signal_and_is_req
 
 def test_a_job_that_sets_its_own_signal_keeps_it(jobs):
     _, _, output = _preempt(jobs, "--signal=B:USR1@15")
-    assert _first_signal(output) == "batch signal USR1"
+    assert "batch signal USR1" in output
+    assert "step signal USR1" not in output
     assert "signal USR2" not in output
-
-
-def _first_signal(output: str) -> str:
-    return next(line for line in output.splitlines() if " signal " in line)
