@@ -84,8 +84,10 @@ def steps(text: str) -> list[int]:
 
 
 def training_log(text: str) -> str:
+    """The job's own lines: without the launcher's and Slurm's notices of the requeue (slurmstepd's
+    "CANCELLED DUE TO JOB REQUEUE", and srun's report on the launcher step it ended)."""
     return "".join(line for line in text.splitlines(keepends=True)
-                   if not line.startswith(("[singularity]", "slurmstepd")))
+                   if not line.startswith(("[singularity]", "slurmstepd", "srun:")))
 
 
 def main() -> int:

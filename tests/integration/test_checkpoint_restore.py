@@ -44,7 +44,7 @@ sleep 3
 def training_log(text: str) -> str:
     """The job's own output: the launcher's lines and Slurm's notices removed."""
     return "".join(line for line in text.splitlines(keepends=True)
-                   if not line.startswith(("[singularity]", "slurmstepd")))
+                   if not line.startswith(("[singularity]", "slurmstepd", "srun:")))
 
 
 @pytest.fixture(scope="module")
