@@ -150,7 +150,8 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
                    "give higher tiers a higher PriorityTier so they preempt lower ones"))
 
     conf_dir = _conf_dir(facts)
-    for name, rendered in (("job_submit.lua", policy.render_job_submit(config)),
+    slurm_user_uid = policy.slurm_user_uid_of_shown(conf.get("SlurmUser", "root(0)")) or 0
+    for name, rendered in (("job_submit.lua", policy.render_job_submit(config, slurm_user_uid)),
                            ("cli_filter.lua", policy.render_cli_filter(config))):
         path = str(conf_dir / name)
         content = facts.files.get(path)

@@ -1,7 +1,9 @@
 """Slurm-side policy files rendered from the admin configuration (pure functions) and installed.
 
 Three files carry the policy into Slurm, all generated from the one TOML configuration:
-`job_submit.lua` (slurmctld: tier -> partition, forced requeue, default tier), `cli_filter.lua`
+`job_submit.lua` (slurmctld: tier -> partition, forced requeue, default tier at submit; the same
+rules for `scontrol update` by anyone but root and SlurmUser, whose uid comes from slurm.conf),
+`cli_filter.lua`
 (sbatch: the preemption warning signal, which Slurm's Lua job-submit API cannot set) and the
 plugstack.conf line of the SPANK plugin (the tier -> partition map it uses to tell each task its tier).
 """
@@ -9,6 +11,8 @@ plugstack.conf line of the SPANK plugin (the tier -> partition map it uses to te
 from __future__ import annotations
 
 import os
+import pwd
+import re
 import subprocess
 import tempfile
 from importlib import resources
@@ -31,15 +35,56 @@ def _lua_string(value: str) -> str:
     return value
 
 
-def render_job_submit(config: Config) -> str:
+def slurm_user_name(slurm_conf: str) -> str:
+    """SlurmUser from slurm.conf's text (keys are case-insensitive); Slurm's default is root."""
+    name = "root"
+    for line in slurm_conf.splitlines():
+        match = re.search(r"(?:^|\s)slurmuser\s*=\s*(\S+)", line.split("#", 1)[0], re.IGNORECASE)
+        if match:
+            name = match.group(1)
+    return name
+
+
+def slurm_user_uid_of_shown(value: str) -> int | None:
+    """The uid in `scontrol show config`'s "SlurmUser = slurm(64030)", or None."""
+    match = re.fullmatch(r"\s*\S*\((\d+)\)\s*", value)
+    return int(match.group(1)) if match else None
+
+
+def read_slurm_user_uid(slurm_etc: Path) -> int:
+    """The uid of the SlurmUser that `slurm_etc`/slurm.conf names."""
+    slurm_conf = slurm_etc / "slurm.conf"
+    try:
+        text = slurm_conf.read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{slurm_conf} not found: the job-submit policy lets SlurmUser update any job and "
+            "reads its name there; pass --slurm-etc with the folder of slurm.conf"
+        ) from None
+    name = slurm_user_name(text)
+    if name.isdigit():  # Slurm also takes a uid
+        return int(name)
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        raise ConfigError(
+            f"SlurmUser={name} in {slurm_conf} is not a user of this host: create the user or "
+            "fix SlurmUser"
+        ) from None
+
+
+def render_job_submit(config: Config, slurm_user_uid: int = 0) -> str:
+    """job_submit.lua; `slurm_user_uid` and root may change any job with `scontrol update`."""
     pairs = ", ".join(
         f'{tier} = "{_lua_string(config.tiers[tier].partition)}"' for tier in TIERS
     )
+    admins = ", ".join(f"[{uid}] = true" for uid in sorted({0, slurm_user_uid}))
     return (
         _template("job_submit.lua.in")
         .replace("@SOURCE@", str(config.source or "the built-in defaults"))
         .replace("@TIER_PARTITIONS@", pairs)
         .replace("@DEFAULT_TIER@", config.default_tier)
+        .replace("@ADMIN_UIDS@", admins)
     )
 
 
@@ -126,10 +171,11 @@ def build_spank_plugin(output: Path, include_dir: Path = Path("/usr/include"),
 def install_policy(config: Config, slurm_etc: Path) -> list[Path]:
     """Build the SPANK plugin and write the three policy files; returns the files that changed."""
     changed: list[Path] = []
+    admin_uid = read_slurm_user_uid(slurm_etc)  # before anything is built: a bad slurm.conf changes nothing
     library = spank_library_path(config)
     build_spank_plugin(library)
     files = {
-        slurm_etc / "job_submit.lua": render_job_submit(config),
+        slurm_etc / "job_submit.lua": render_job_submit(config, admin_uid),
         slurm_etc / "cli_filter.lua": render_cli_filter(config),
     }
     plugstack = slurm_etc / "plugstack.conf"

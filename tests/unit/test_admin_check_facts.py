@@ -39,6 +39,7 @@ def good_facts(version: SlurmVersion = V2205, config: Config = CONFIG) -> Facts:
         slurm_version=version,
         slurm_config={
             "SLURM_CONF": SLURM_CONF,
+            "SlurmUser": "slurm(64030)",
             "PreemptType": "preempt/partition_prio",
             "PreemptMode": "REQUEUE",
             "JobRequeue": "1",
@@ -56,7 +57,7 @@ def good_facts(version: SlurmVersion = V2205, config: Config = CONFIG) -> Facts:
             "basic": partition("basic", 10),
         },
         files={
-            "/etc/slurm/job_submit.lua": policy.render_job_submit(config),
+            "/etc/slurm/job_submit.lua": policy.render_job_submit(config, 64030),
             "/etc/slurm/cli_filter.lua": policy.render_cli_filter(config),
             "/etc/slurm/plugstack.conf": "include /etc/slurm/plugstack.conf.d/*.conf\n",
             "/etc/slurm/plugstack.conf.d/singularity-sla.conf":
@@ -314,6 +315,22 @@ def test_job_submit_lua_of_another_configuration_differs() -> None:
     failed = only_failure(facts)
 
     assert failed.name == "job_submit.lua"
+
+
+def test_job_submit_lua_rendered_for_another_slurm_user_differs() -> None:
+    # The policy lets SlurmUser update any job: a file made for another SlurmUser is stale.
+    facts = with_conf(good_facts(), SlurmUser="slurm(64031)")
+
+    failed = only_failure(facts)
+
+    assert failed.name == "job_submit.lua"
+
+
+def test_job_submit_lua_of_a_cluster_whose_slurm_user_is_root_matches() -> None:
+    facts = with_conf(good_facts(), SlurmUser="root(0)")
+    facts.files["/etc/slurm/job_submit.lua"] = policy.render_job_submit(CONFIG, 0)
+
+    assert failures(facts) == []
 
 
 def test_missing_cli_filter_lua_fails() -> None:

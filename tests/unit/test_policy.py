@@ -20,9 +20,12 @@ from singularity_slurm.config import Config, parse
 from singularity_slurm.errors import ConfigError
 from singularity_slurm.slurm_plugin.policy import (
     ensure_plugstack_include,
+    read_slurm_user_uid,
     render_cli_filter,
     render_job_submit,
     render_plugstack_line,
+    slurm_user_name,
+    slurm_user_uid_of_shown,
     spank_library_path,
     write_atomic,
 )
@@ -50,6 +53,16 @@ def test_job_submit_carries_the_tier_partition_map_and_default_tier() -> None:
     assert ('local TIER_PARTITION = { premium = "premium", standard = "standard", '
             'basic = "basic" }') in text.splitlines()
     assert 'local DEFAULT_TIER = "basic"' in text.splitlines()
+
+
+def test_job_submit_lets_root_alone_update_any_job_by_default() -> None:
+    assert "local ADMIN_UIDS = { [0] = true }" in render_job_submit(parse({})).splitlines()
+
+
+def test_job_submit_lets_root_and_the_slurm_user_update_any_job() -> None:
+    text = render_job_submit(parse({}), slurm_user_uid=64030)
+
+    assert "local ADMIN_UIDS = { [0] = true, [64030] = true }" in text.splitlines()
 
 
 def test_job_submit_of_a_custom_config() -> None:
@@ -106,6 +119,63 @@ def test_plugstack_line_follows_the_prefix_and_partitions() -> None:
     assert render_plugstack_line(config) == (
         "required /srv/sing/lib/singularity_sla.so premium=gpu-hi standard=gpu basic=gpu-scavenge "
         "ensure=/srv/sing/venv/bin/singularity-prolog"
+    )
+
+
+# --- SlurmUser, read from slurm.conf ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "name"), [
+    ("SlurmUser=slurm\n", "slurm"),
+    ("ClusterName=x\n  slurmuser = slurmadm  # the daemon's user\n", "slurmadm"),
+    ("SlurmctldHost=h SlurmUser=sl\n", "sl"),
+    ("SlurmUser=a\nSlurmUser=b\n", "b"),
+    ("SlurmdUser=root\n", "root"),
+    ("#SlurmUser=slurm\n", "root"),
+    ("", "root"),
+], ids=["plain", "case-and-comment", "mid-line", "last-wins", "slurmd-user", "commented", "unset"])
+def test_slurm_user_name_is_read_from_slurm_conf(text: str, name: str) -> None:
+    assert slurm_user_name(text) == name
+
+
+@pytest.mark.parametrize(("shown", "uid"), [
+    ("slurm(64030)", 64030), ("root(0)", 0), ("slurm", None), ("(x)", None),
+])
+def test_slurm_user_uid_of_scontrol_show_config(shown: str, uid: int | None) -> None:
+    assert slurm_user_uid_of_shown(shown) == uid
+
+
+def test_slurm_user_uid_is_looked_up_by_name(tmp_path: Path) -> None:
+    (tmp_path / "slurm.conf").write_text("SlurmUser=root\n")
+
+    assert read_slurm_user_uid(tmp_path) == 0
+
+
+def test_numeric_slurm_user_is_its_uid(tmp_path: Path) -> None:
+    (tmp_path / "slurm.conf").write_text("SlurmUser=64030\n")
+
+    assert read_slurm_user_uid(tmp_path) == 64030
+
+
+def test_missing_slurm_conf_is_refused_naming_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        read_slurm_user_uid(tmp_path)
+
+    assert str(info.value) == (
+        f"{tmp_path}/slurm.conf not found: the job-submit policy lets SlurmUser update any job and "
+        "reads its name there; pass --slurm-etc with the folder of slurm.conf"
+    )
+
+
+def test_unknown_slurm_user_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "slurm.conf").write_text("SlurmUser=no-such-user-x9\n")
+
+    with pytest.raises(ConfigError) as info:
+        read_slurm_user_uid(tmp_path)
+
+    assert str(info.value) == (
+        f"SlurmUser=no-such-user-x9 in {tmp_path}/slurm.conf is not a user of this host: "
+        "create the user or fix SlurmUser"
     )
 
 
@@ -220,7 +290,7 @@ def lua_literal(value: object) -> str:
 
 HARNESS_PRELUDE = """
 local messages = {}
-slurm = { SUCCESS = 0, ERROR = -1 }
+slurm = { SUCCESS = 0, ERROR = -1, ESLURM_ACCESS_DENIED = 2002, NO_VAL16 = 65534 }
 function slurm.log_info(fmt, ...) table.insert(messages, "info\\t" .. string.format(fmt, ...)) end
 function slurm.log_user(fmt, ...) table.insert(messages, "user\\t" .. string.format(fmt, ...)) end
 local loaded = dofile(%s)
@@ -233,6 +303,14 @@ local rc = slurm_job_submit(job_desc, {}, 1001)
 print("rc\\t" .. tostring(rc))
 print("partition\\t" .. tostring(job_desc.partition))
 print("requeue\\t" .. tostring(job_desc.requeue))
+for _, m in ipairs(messages) do print(m) end
+"""
+
+HARNESS_MODIFY = """
+local job_desc = %s
+local job_rec = %s
+local rc = slurm_job_modify(job_desc, job_rec, {}, %d)
+print("rc\\t" .. tostring(rc))
 for _, m in ipairs(messages) do print(m) end
 """
 
@@ -288,7 +366,9 @@ def sla(tier: str, *other: str) -> dict[int, str]:
     return dict(enumerate([*other, f"SINGULARITY_SLA={tier}"]))
 
 
-SUCCESS, ERROR = 0, -1
+SUCCESS, ERROR, ACCESS_DENIED = 0, -1, 2002
+NO_VAL16 = 65534
+JOB_USER, OTHER_USER, SLURM_USER = 1001, 1002, 64030
 
 
 @needs_lua
@@ -438,6 +518,181 @@ def test_custom_default_tier_is_announced_on_load(tmp_path: Path) -> None:
     run = submit(tmp_path, parse(CUSTOM), {})
 
     assert run.info[0] == "singularity: job-submit policy loaded (default tier standard)"
+
+
+@needs_lua
+def test_partition_list_naming_a_tier_partition_is_refused(tmp_path: Path) -> None:
+    # Without this, `-p debug,premium --no-requeue` would run in a tier partition unmanaged.
+    run = submit(tmp_path, parse({}), {"partition": "debug,premium", "requeue": 0})
+
+    assert run.rc == ERROR
+    assert run.user == [
+        "singularity: the partition list 'debug,premium' names the tier partition 'premium' beside "
+        "others; a Singularity job runs in one tier partition: use --singularity-sla=premium "
+        "without --partition"
+    ]
+
+
+@needs_lua
+def test_partition_list_of_tier_partitions_is_refused(tmp_path: Path) -> None:
+    run = submit(tmp_path, parse({}), {"partition": "basic,premium"})
+
+    assert run.rc == ERROR
+    assert "names the tier partition 'basic'" in run.user[0]
+
+
+@needs_lua
+def test_partition_list_without_tier_partitions_is_left_alone(tmp_path: Path) -> None:
+    run = submit(tmp_path, parse({}), {"partition": "debug,cpu", "requeue": 0})
+
+    assert run.rc == SUCCESS
+    assert run.fields == {"partition": "debug,cpu", "requeue": "0"}
+    assert run.user == []
+
+
+# --- job_submit.lua's slurm_job_modify, executed ------------------------------------------------
+
+
+def modify(tmp_path: Path, job_desc: dict, job_rec: dict, uid: int = JOB_USER,
+           config: Config | None = None, slurm_user_uid: int = SLURM_USER) -> LuaRun:
+    """`scontrol update` as Slurm 22.05 hands it over: unchanged fields nil or NO_VAL16."""
+    desc = {"requeue": NO_VAL16, **job_desc}
+    script = render_job_submit(config or parse({}), slurm_user_uid)
+    return run_lua(tmp_path, script,
+                   HARNESS_MODIFY % (lua_literal(desc), lua_literal({"job_id": 42, **job_rec}), uid))
+
+
+BASIC_JOB = {"partition": "basic", "spank_job_env": sla("basic")}
+DEFAULT_TIER_JOB = {"partition": "basic"}  # no --singularity-sla: the default tier
+UNMANAGED_JOB = {"partition": "debug"}
+
+
+@needs_lua
+def test_user_moving_a_tier_job_to_another_tier_is_refused_and_told_why(tmp_path: Path) -> None:
+    run = modify(tmp_path, {"partition": "premium"}, BASIC_JOB)
+
+    reason = ("job 42 runs in partition 'basic' (SLA tier basic) and cannot move to 'premium': "
+              "the partition is the job's SLA tier; ask an admin to move it, or submit it again "
+              "with --singularity-sla")
+    assert run.rc == ACCESS_DENIED
+    assert run.user == [f"singularity: {reason}"]
+    assert run.info[1:] == [f"singularity: update of job 42 by uid 1001 refused: {reason}"]
+
+
+@needs_lua
+@pytest.mark.parametrize("partition", ["premium", "standard", "debug", "basic,premium", ""])
+def test_user_cannot_move_a_default_tier_job_anywhere_else(tmp_path: Path, partition: str) -> None:
+    run = modify(tmp_path, {"partition": partition}, DEFAULT_TIER_JOB)
+
+    assert run.rc == ACCESS_DENIED
+    assert "job 42 runs in partition 'basic' (SLA tier basic)" in run.user[0]
+
+
+@needs_lua
+def test_job_with_a_tier_option_in_an_admin_chosen_partition_stays_there(tmp_path: Path) -> None:
+    # An admin moved a basic job to a partition of no tier: its tier still comes from the option.
+    run = modify(tmp_path, {"partition": "basic"}, {"partition": "debug", "spank_job_env": sla("basic")})
+
+    assert run.rc == ACCESS_DENIED
+    assert "job 42 runs in partition 'debug' (SLA tier basic) and cannot move to 'basic'" in run.user[0]
+
+
+@needs_lua
+def test_user_naming_the_jobs_own_partition_is_accepted(tmp_path: Path) -> None:
+    run = modify(tmp_path, {"partition": "basic"}, BASIC_JOB)
+
+    assert (run.rc, run.user, run.info[1:]) == (SUCCESS, [], [])
+
+
+@needs_lua
+def test_user_making_a_tier_job_non_requeueable_is_refused(tmp_path: Path) -> None:
+    run = modify(tmp_path, {"requeue": 0}, DEFAULT_TIER_JOB)
+
+    assert run.rc == ACCESS_DENIED
+    assert run.user == [
+        "singularity: job 42 has SLA tier basic and must stay requeueable (Requeue=0 refused): it "
+        "resumes from its checkpoint after a preemption; end it with scancel instead"
+    ]
+
+
+@needs_lua
+def test_partition_is_checked_before_requeue(tmp_path: Path) -> None:
+    run = modify(tmp_path, {"partition": "premium", "requeue": 0}, BASIC_JOB)
+
+    assert run.rc == ACCESS_DENIED
+    assert "cannot move to 'premium'" in run.user[0]
+
+
+@needs_lua
+@pytest.mark.parametrize("job_desc", [
+    {}, {"requeue": 1}, {"time_limit": 10}, {"comment": "note"}, {"name": "renamed"},
+    {"dependency": "afterok:41"}, {"priority": 0}, {"nice": 100},
+], ids=["nothing", "requeue-1", "time-limit", "comment", "name", "dependency", "hold", "nice"])
+def test_harmless_updates_of_a_tier_job_are_accepted_silently(tmp_path: Path, job_desc: dict) -> None:
+    run = modify(tmp_path, job_desc, BASIC_JOB)
+
+    assert (run.rc, run.user, run.info[1:]) == (SUCCESS, [], [])
+
+
+@needs_lua
+@pytest.mark.parametrize("uid", [0, SLURM_USER])
+@pytest.mark.parametrize("job_desc", [{"partition": "premium"}, {"requeue": 0},
+                                      {"partition": "debug", "requeue": 0}])
+def test_admins_may_move_a_job_and_change_its_requeue_flag(tmp_path: Path, uid: int,
+                                                           job_desc: dict) -> None:
+    run = modify(tmp_path, job_desc, BASIC_JOB, uid=uid)
+
+    assert (run.rc, run.user, run.info[1:]) == (SUCCESS, [], [])
+
+
+@needs_lua
+def test_slurm_user_of_another_cluster_is_no_admin(tmp_path: Path) -> None:
+    run = modify(tmp_path, {"partition": "premium"}, BASIC_JOB, uid=SLURM_USER, slurm_user_uid=0)
+
+    assert run.rc == ACCESS_DENIED
+
+
+@needs_lua
+def test_another_users_harmless_update_is_left_to_slurm(tmp_path: Path) -> None:
+    # Slurm refuses it after the plugin (the caller does not own the job); the policy only judges
+    # what the update changes.
+    run = modify(tmp_path, {"comment": "x"}, BASIC_JOB, uid=OTHER_USER)
+
+    assert run.rc == SUCCESS
+
+
+@needs_lua
+@pytest.mark.parametrize("partition", ["premium", "debug,basic"])
+def test_user_moving_an_unmanaged_job_into_a_tier_partition_is_refused(
+        tmp_path: Path, partition: str) -> None:
+    run = modify(tmp_path, {"partition": partition}, UNMANAGED_JOB)
+
+    tier = "premium" if partition == "premium" else "basic"
+    assert run.rc == ACCESS_DENIED
+    assert run.user == [
+        f"singularity: job 42 was not submitted with an SLA tier and cannot move to the tier "
+        f"partition '{tier}': submit it again with --singularity-sla={tier}"
+    ]
+
+
+@needs_lua
+@pytest.mark.parametrize("job_desc", [{"partition": "cpu"}, {"requeue": 0}])
+def test_unmanaged_jobs_are_left_to_slurm(tmp_path: Path, job_desc: dict) -> None:
+    run = modify(tmp_path, job_desc, UNMANAGED_JOB)
+
+    assert (run.rc, run.user) == (SUCCESS, [])
+
+
+@needs_lua
+def test_modify_follows_the_configured_partitions(tmp_path: Path) -> None:
+    config = parse(CUSTOM)
+
+    moved = modify(tmp_path, {"partition": "gpu-hi"}, {"partition": "gpu-scavenge"}, config=config)
+    old_name = modify(tmp_path, {"partition": "premium"}, {"partition": "debug"}, config=config)
+
+    assert moved.rc == ACCESS_DENIED
+    assert "(SLA tier basic) and cannot move to 'gpu-hi'" in moved.user[0]
+    assert old_name.rc == SUCCESS
 
 
 # --- cli_filter.lua, executed ---------------------------------------------------------------------
