@@ -27,7 +27,8 @@ Say = Callable[[str], None]
 
 def default_layout() -> Layout:
     return Layout(hostname=socket.gethostname().split(".")[0],
-                  job_user=os.environ.get("SINGULARITY_DEVCLUSTER_USER", "jobuser"))
+                  job_user=os.environ.get("SINGULARITY_DEVCLUSTER_USER", "jobuser"),
+                  other_user=os.environ.get("SINGULARITY_DEVCLUSTER_OTHER_USER", "jobuser2"))
 
 
 def daemon_table(layout: Layout) -> list[daemons.Daemon]:
@@ -154,7 +155,8 @@ def up(layout: Layout | None = None, say: Say = print) -> Report:
     criu = install.ensure_criu(layout, say)
     install.ensure_pycriu(layout, debian, say)
     say(f"criu: {criu} (run through {install_wrapper(layout.prefix, criu)})")
-    install.ensure_user(layout.job_user, say)
+    for user in layout.job_users:
+        install.ensure_user(user, say)
     install.ensure_munge_key()
     install.ensure_dirs(layout)
     install.ensure_fake_gpus(layout)
@@ -190,13 +192,14 @@ def up(layout: Layout | None = None, say: Say = print) -> Report:
 
 def check_job_user_python(layout: Layout) -> None:
     python = layout.venv_bin / "python"
-    proc = subprocess.run(["runuser", "-u", layout.job_user, "--", str(python), "-c",
-                           "import singularity_slurm"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise DevClusterError(
-            f"the job user {layout.job_user} cannot run {python}: {proc.stderr.strip()}; "
-            "install the project with `make install` (it creates a world-readable venv)"
-        )
+    for user in layout.job_users:
+        proc = subprocess.run(["runuser", "-u", user, "--", str(python), "-c",
+                               "import singularity_slurm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise DevClusterError(
+                f"the job user {user} cannot run {python}: {proc.stderr.strip()}; "
+                "install the project with `make install` (it creates a world-readable venv)"
+            )
 
 
 def down(layout: Layout | None = None, say: Say = print) -> list[str]:

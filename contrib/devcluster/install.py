@@ -211,6 +211,7 @@ def ensure_pycriu(layout: Layout, debian: str, say: Say) -> None:
 
 
 def ensure_user(name: str, say: Say) -> pwd.struct_passwd:
+    """An unprivileged job user with a home and a login shell; an existing one is left as it is."""
     try:
         return pwd.getpwnam(name)
     except KeyError:

@@ -35,6 +35,12 @@ class Layout:
     redis_port: int = 6379
     grace_time: int = 30
     job_user: str = "jobuser"
+    # A second unprivileged user: attack tests check that one user cannot reach another's jobs.
+    other_user: str = "jobuser2"
+
+    @property
+    def job_users(self) -> tuple[str, ...]:
+        return (self.job_user, self.other_user)
 
     @property
     def venv_bin(self) -> Path:

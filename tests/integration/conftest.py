@@ -1,7 +1,8 @@
 """Integration fixtures: the running dev cluster (real slurmctld, slurmd, munge, Redis, CRIU).
 
 Jobs are submitted as the non-root job user from a folder of its own, and cancelled at the end of
-each test. `make test` brings the cluster up before pytest runs.
+each test; `other_user` / `other_jobs` do the same for the second unprivileged user, for tests of
+what one user can do to another's jobs. `make test` brings the cluster up before pytest runs.
 """
 
 from __future__ import annotations
@@ -35,18 +36,27 @@ def _cluster_up() -> bool:
 
 @pytest.fixture(scope="session", autouse=True)
 def cluster() -> None:
-    """The running dev cluster, with no jobs of the test user left from an interrupted run."""
+    """The running dev cluster, with no jobs of the test users left from an interrupted run."""
     if os.geteuid() != 0 or not _cluster_up():
         pytest.fail("the dev cluster is not running: run `make test` (it brings the cluster up)")
-    user = default_layout().job_user
-    subprocess.run(["scancel", "--user", user], capture_output=True)
+    users = [u for u in default_layout().job_users if _exists(u)]
+    for user in users:
+        subprocess.run(["scancel", "--user", user], capture_output=True)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        left = subprocess.run(["squeue", "--noheader", "--user", user], capture_output=True,
-                              text=True).stdout.strip()
+    while users and time.monotonic() < deadline:
+        left = subprocess.run(["squeue", "--noheader", "--user", ",".join(users)],
+                              capture_output=True, text=True).stdout.strip()
         if not left:
             break
         time.sleep(0.5)
+
+
+def _exists(user: str) -> bool:
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="session")
@@ -75,13 +85,31 @@ def job_user(layout) -> pwd.struct_passwd:
 
 
 @pytest.fixture
-def workdir(job_user) -> Iterator[Path]:
-    path = Path(job_user.pw_dir) / "tests" / uuid.uuid4().hex[:8]
+def other_user(layout) -> pwd.struct_passwd:
+    """The second unprivileged user (`singularityctl devcluster up` creates it)."""
+    try:
+        return pwd.getpwnam(layout.other_user)
+    except KeyError:
+        pytest.fail(f"user {layout.other_user} missing: run `singularityctl devcluster up`")
+
+
+def _user_workdir(user: pwd.struct_passwd) -> Iterator[Path]:
+    path = Path(user.pw_dir) / "tests" / uuid.uuid4().hex[:8]
     path.mkdir(parents=True)
     for p in (path.parent, path):
-        os.chown(p, job_user.pw_uid, job_user.pw_gid)
+        os.chown(p, user.pw_uid, user.pw_gid)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def workdir(job_user) -> Iterator[Path]:
+    yield from _user_workdir(job_user)
+
+
+@pytest.fixture
+def other_workdir(other_user) -> Iterator[Path]:
+    yield from _user_workdir(other_user)
 
 
 def run_as(user: str, argv: list[str], cwd: Path | None = None,
@@ -93,7 +121,7 @@ def run_as(user: str, argv: list[str], cwd: Path | None = None,
 
 
 class Jobs:
-    """Submits jobs as the job user and cancels them all at the end of the test."""
+    """Submits jobs as one user and cancels them all at the end of the test."""
 
     def __init__(self, user: str, workdir: Path, slurm: SlurmClient):
         self.user = user
@@ -161,6 +189,14 @@ class Jobs:
 @pytest.fixture
 def jobs(job_user, workdir, slurm) -> Iterator[Jobs]:
     jobs = Jobs(job_user.pw_name, workdir, slurm)
+    yield jobs
+    jobs.cancel_all()
+
+
+@pytest.fixture
+def other_jobs(other_user, other_workdir, slurm) -> Iterator[Jobs]:
+    """Like `jobs`, as the second unprivileged user, from a folder in its home."""
+    jobs = Jobs(other_user.pw_name, other_workdir, slurm)
     yield jobs
     jobs.cancel_all()
 

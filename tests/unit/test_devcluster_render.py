@@ -226,3 +226,8 @@ def test_no_rendered_file_leaves_a_python_repr() -> None:
              render_redis_conf(LAYOUT, "pw"), render_singularity_config(LAYOUT)]
 
     assert [t for t in texts if re.search(r"PosixPath|None|\{|\}", t)] == []
+
+
+def test_the_dev_cluster_has_two_distinct_unprivileged_job_users() -> None:
+    assert LAYOUT.job_users == ("jobuser", "jobuser2")
+    assert Layout(hostname="h", job_user="a", other_user="b").job_users == ("a", "b")
