@@ -147,6 +147,10 @@ class AgentState:
         """
         _CALL.after_reply = after_reply
         op = request.get("op")
+        named = request.get("job_id", self.job_id)
+        if named != self.job_id:
+            return {"ok": False, "error": f"this agent serves job {self.job_id}, not job {named!r}: send "
+                                          "the request to that job's agent"}
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
             valid = ", ".join(sorted(n[3:] for n in dir(self) if n.startswith("op_")))
@@ -182,7 +186,7 @@ class AgentState:
         if ranks is not None:
             request = {**request, "env": {**(request.get("env") or {}),
                                           "SINGULARITY_LOCAL_RANKS": ",".join(map(str, ranks))}}
-        spec = engine.tree_spec(request, self.job_uid)
+        spec = engine.tree_spec(request, self.job_uid, self.job_id)
         self.run_key = _run_key(request)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
