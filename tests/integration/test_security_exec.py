@@ -203,7 +203,7 @@ SINGULARITY_JOB_ID={victim} {CTL} run -- {PYTHON} -c 'print("the job ran")'
             in text), text
     assert "step with an escaping node name: 0" in text, text
     assert "step with another node's name: 0" in text, text
-    assert "is not a Slurm node name" in text, text
+    assert "\nnever\n" not in text, text
     assert "launcher with an escaping node name: 0" not in text, text
     assert "the job ran\n" in text, text
     # Nothing was built from the forged values.
@@ -220,3 +220,31 @@ SINGULARITY_JOB_ID={victim} {CTL} run -- {PYTHON} -c 'print("the job ran")'
     assert after[0].st_uid == pwd.getpwnam("jobuser2").pw_uid
     assert after[2] == before[2]
     assert other_jobs.record(victim)["JobState"] == "RUNNING"
+
+
+def test_ensure_mode_reads_node_gpus_partition_and_restarts_from_slurm(jobs, config, job_user):
+    """What the SPANK plugin's items and Slurm's records give the Prolog's --ensure mode, for the batch
+    step and an srun step of a real job, is what slurmd gave the job itself."""
+    from singularity_slurm.prolog.main import ensure_context
+    from singularity_slurm.slurm_plugin.slurm import SlurmClient
+
+    job_id = jobs.submit(jobs.script("steps.sh", """#!/bin/bash
+#SBATCH --singularity-sla=basic
+#SBATCH --gres=gpu:2
+#SBATCH --nodelist=n2
+#SBATCH -o steps.out
+echo "gpus=$SLURM_JOB_GPUS node=$SLURMD_NODENAME"
+srun --overlap -n1 sleep 60
+"""))
+    log = jobs.wait_for_file("steps.out")
+    jobs.wait(job_id, lambda r: "gpus=" in log.read_text(), "printing its GPUs")
+    slurm = SlurmClient()
+    jobs.wait(job_id, lambda r: slurm.step(job_id, 0) is not None, "running step 0")
+    line = next(x for x in log.read_text().splitlines() if x.startswith("gpus="))
+    gpus = line.split()[0].removeprefix("gpus=").split(",")
+    items = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_UID": str(job_user.pw_uid), "SLURM_NODEID": "0"}
+
+    for step in ("4294967291", "0"):
+        job = ensure_context({**items, "SLURM_STEP_ID": step}, config, slurm)
+        assert (job.node, job.gpus, job.partition, job.tier, job.restart_count, job.user) == (
+            "n2", gpus, "basic", "basic", 0, job_user.pw_name), (step, line)
