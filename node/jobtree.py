@@ -6,6 +6,12 @@ namespace /proc belongs to the new PID namespace and /dev/shm is a private tmpfs
 descriptor the tree holds is opened in there (stdin /dev/null, stdout and stderr the job's output file
 in append mode): that is what makes the tree dumpable and restorable on any node, whatever pids are
 in use there.
+
+Root's part of the start (unshare, setsid, sh, mount, setpriv) runs by absolute path with a clean
+environment: the job's environment is the user's to write. It travels in a close-on-exec memory
+file that only the tree's init inherits; once setpriv has dropped to the user, a tiny step of the
+agent's interpreter (`rootexec.USER_EXEC`) reads it, closes it, and becomes the user's init `sh`
+with exactly that environment, so the tree holds no descriptor of ours.
 """
 
 from __future__ import annotations
