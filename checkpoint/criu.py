@@ -14,11 +14,13 @@ Facts this relies on (verified on Debian 12, kernel 6.18, criu 4.1.1):
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from singularity_slurm import rootexec
 from singularity_slurm.errors import CheckpointError
 
 SHIM_SOURCE = "criu_prlimit.c"
@@ -73,10 +75,17 @@ def install_wrapper(prefix: Path, criu: Path) -> Path:
     wrapper = prefix / "bin" / WRAPPER
     wrapper.parent.mkdir(parents=True, exist_ok=True)
     tmp = wrapper.with_name(f".{wrapper.name}.tmp")
-    tmp.write_text(f'#!/bin/sh\nLD_PRELOAD="{shim}${{LD_PRELOAD:+:$LD_PRELOAD}}" exec "{criu}" "$@"\n')
+    tmp.write_text(wrapper_script(shim, criu))
     os.chmod(tmp, 0o755)
     os.rename(tmp, wrapper)
     return wrapper
+
+
+def wrapper_script(shim: Path, criu: Path) -> str:
+    """criu with exactly the shim preloaded and a clean environment: whatever called it (it runs as
+    root), no LD_PRELOAD, PATH or locale of anyone else's reaches it."""
+    return (f"#!/bin/sh\nexec /usr/bin/env -i PATH={rootexec.SYSTEM_PATH} LC_ALL=C "
+            f"LD_PRELOAD={shlex.quote(str(shim))} {shlex.quote(str(criu))} \"$@\"\n")
 
 
 def wrapper_path(prefix: Path) -> Path:

@@ -1,7 +1,9 @@
 """The node agent: one per job per node, started by Prolog as root, stopped by Epilog.
 
 It listens on a unix socket in the job's node-local folder and answers JSON requests, one per line.
-Callers are identified by SO_PEERCRED: only root and the job's own user are served. On the job's
+Callers are identified by SO_PEERCRED: only root and the job's own user are served. The job is the
+agent's own (from the Prolog's command line): a request naming another (`job_id`, or a start whose
+environment names another job) is refused. On the job's
 batch host a thread also takes root's and operators' `checkpoint` and `migrate` requests through
 Redis, authenticated by munge (`coordinator.commands`), since Slurm lets nobody else start steps in a
 user's job. The agent owns the job's process tree on this node: it starts it (as the job's user, in
@@ -147,6 +149,10 @@ class AgentState:
         """
         _CALL.after_reply = after_reply
         op = request.get("op")
+        named = request.get("job_id", self.job_id)
+        if named != self.job_id:
+            return {"ok": False, "error": f"this agent serves job {self.job_id}, not job {named!r}: send "
+                                          "the request to that job's agent"}
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
             valid = ", ".join(sorted(n[3:] for n in dir(self) if n.startswith("op_")))
@@ -182,7 +188,7 @@ class AgentState:
         if ranks is not None:
             request = {**request, "env": {**(request.get("env") or {}),
                                           "SINGULARITY_LOCAL_RANKS": ",".join(map(str, ranks))}}
-        spec = engine.tree_spec(request, self.job_uid)
+        spec = engine.tree_spec(request, self.job_uid, self.job_id)
         self.run_key = _run_key(request)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):

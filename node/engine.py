@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 
+from singularity_slurm import rootexec
 from singularity_slurm.checkpoint import images
 from singularity_slurm.checkpoint.criu import Criu, filelog_shim_path, wrapper_path
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
@@ -44,6 +45,14 @@ def _shell_status(code: int) -> int:
 def _exit_status(status: int) -> int:
     """A waitpid status as a shell would report it."""
     return _shell_status(os.waitstatus_to_exitcode(status))
+
+
+JOB_ID_VARS = ("SINGULARITY_JOB_ID", "SLURM_JOB_ID")
+
+
+def foreign_job_ids(env: dict[str, str], job_id: int) -> list[str]:
+    """The job ids a start request's environment names that are not the agent's job."""
+    return [env[var] for var in JOB_ID_VARS if var in env and env[var] != str(job_id)]
 
 
 def summarize(manifest: Manifest, seconds: float | None = None) -> dict[str, Any]:
@@ -100,7 +109,9 @@ class CheckpointEngine:
 
     # --- start ------------------------------------------------------------------------------------
 
-    def tree_spec(self, request: dict, uid: int) -> jobtree.TreeSpec:
+    def tree_spec(self, request: dict, uid: int, job_id: int) -> jobtree.TreeSpec:
+        """The tree a start request asks for; `job_id` is the agent's own (from the Prolog), never
+        one the request names: the request's environment is the user's."""
         argv, cwd, output, env = (request.get(k) for k in ("argv", "cwd", "output", "env"))
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             raise RequestError("start needs argv: a non-empty list of strings")
@@ -110,13 +121,20 @@ class CheckpointEngine:
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                 for k, v in env.items()):
             raise RequestError("start needs env: an object of strings")
+        try:
+            rootexec.encode_env(env)
+        except rootexec.BadEnvironment as exc:
+            raise RequestError(f"start: {exc}") from exc
+        named = foreign_job_ids(env, job_id)
+        if named:
+            raise RequestError(f"start: the request's environment names job {named[0]}, but this agent "
+                               f"serves job {job_id}; run `singularityctl run` inside job {named[0]} "
+                               "itself")
         gid = pwd.getpwuid(uid).pw_gid
-        job_id = int(env.get("SINGULARITY_JOB_ID") or env.get("SLURM_JOB_ID") or 0)
-        if job_id:
-            log = localfiles.log_path(self.config.paths.state_dir, job_id)
-            localfiles.prepare_log(log, uid, gid)
-            env = {**env, **filelog.env_for(filelog_shim_path(self.config.paths.prefix), log,
-                                            ld_preload=env.get("LD_PRELOAD") or None)}
+        log = localfiles.log_path(self.config.paths.state_dir, job_id)
+        localfiles.prepare_log(log, uid, gid)
+        env = {**env, **filelog.env_for(filelog_shim_path(self.config.paths.prefix), log,
+                                        ld_preload=env.get("LD_PRELOAD") or None)}
         return jobtree.TreeSpec(argv, uid, gid, cwd, output, env)
 
     def start(self, spec: jobtree.TreeSpec) -> tuple[int, Callable[[], int]]:
@@ -220,12 +238,12 @@ class CheckpointEngine:
         record = self.slurm.job(job_id) or {}
         restarts = int(record.get("Restarts", 0) or 0)
         requeued = self.slurm.requeue(job_id)
-        argv = [sys.executable, "-m", "singularity_slurm.node.release", str(job_id), str(restarts)]
+        argv = [sys.executable, "-I", "-m", "singularity_slurm.node.release", str(job_id), str(restarts)]
         if exclude:
             argv.append(",".join(exclude))
         with open(self.run_dir.parent / f"release-{job_id}.log", "ab") as log:
-            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                             start_new_session=True, close_fds=True)
+            subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
+                             env=rootexec.service_env(os.environ), start_new_session=True, close_fds=True)
         return {"requeued": requeued, "exclude": exclude or []}
 
     def _check_trusted(self, job_id: int) -> None:

@@ -6,24 +6,34 @@ namespace /proc belongs to the new PID namespace and /dev/shm is a private tmpfs
 descriptor the tree holds is opened in there (stdin /dev/null, stdout and stderr the job's output file
 in append mode): that is what makes the tree dumpable and restorable on any node, whatever pids are
 in use there.
+
+Root's part of the start (unshare, setsid, sh, mount, setpriv) runs by absolute path with a clean
+environment: the job's environment is the user's to write. It travels in a close-on-exec memory
+file that only the tree's init inherits; once setpriv has dropped to the user, a tiny step of the
+agent's interpreter (`rootexec.USER_EXEC`) reads it, closes it, and becomes the user's init `sh`
+with exactly that environment, so the tree holds no descriptor of ours.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from singularity_slurm import rootexec
 from singularity_slurm.errors import ServiceError
 
-# pid 1 of the namespace, as root: private /dev/shm, then become the user (still pid 1).
+# pid 1 of the namespace, as root with a clean environment: private /dev/shm, then become the user
+# (still pid 1), who reads the job's environment from fd $envfd and becomes the user init with it.
 _ROOT_INIT = r"""
-mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm || exit 121
-uid=$1 gid=$2 user_init=$3; shift 3
-exec setpriv --reuid="$uid" --regid="$gid" --init-groups -- sh -c "$user_init" singularity-init "$@"
+mount=$1 setpriv=$2 uid=$3 gid=$4 python=$5 user_exec=$6 envfd=$7 shell=$8 user_init=$9; shift 9
+"$mount" -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm || exit 121
+exec "$setpriv" --reuid="$uid" --regid="$gid" --init-groups -- \
+    "$python" -I -S -c "$user_exec" "$envfd" "$shell" -c "$user_init" singularity-init "$@"
 """
 
 # pid 1 as the user: open stdio inside the namespace, start the command, exit with its status.
@@ -34,6 +44,8 @@ cd "$dir" || exit 123
 "$@" &
 wait $!
 """
+
+SHELL = "/bin/sh"
 
 
 @dataclass(frozen=True)
@@ -46,17 +58,53 @@ class TreeSpec:
     env: Mapping[str, str]
 
 
-def spawn(spec: TreeSpec) -> subprocess.Popen:
-    """Start the tree; the returned process is `unshare`, the parent of the namespace's init."""
-    env = dict(spec.env)
-    argv = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private", "--",
-            "setsid", "sh", "-c", _ROOT_INIT, "singularity-root-init", str(spec.uid), str(spec.gid),
-            _USER_INIT, spec.output, spec.cwd, *spec.argv]
+@dataclass(frozen=True)
+class Programs:
+    """What root runs to start a tree: absolute paths from the system folders, never the user's PATH."""
+
+    unshare: str
+    setsid: str
+    mount: str
+    setpriv: str
+    shell: str
+    python: str  # runs rootexec.USER_EXEC as the user: the agent's own interpreter
+
+    @classmethod
+    def find(cls) -> Programs:
+        return cls(*(rootexec.system_program(name) for name in ("unshare", "setsid", "mount", "setpriv")),
+                   shell=SHELL, python=sys.executable)
+
+
+def spawn_argv(spec: TreeSpec, programs: Programs, env_fd: int) -> list[str]:
+    """The command line of `unshare`; it holds no part of the job's environment (argv is public)."""
+    return [programs.unshare, "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
+            "--", programs.setsid, programs.shell, "-c", _ROOT_INIT, "singularity-root-init",
+            programs.mount, programs.setpriv, str(spec.uid), str(spec.gid), programs.python,
+            rootexec.USER_EXEC, str(env_fd), programs.shell, _USER_INIT, spec.output, spec.cwd,
+            *spec.argv]
+
+
+def spawn(spec: TreeSpec, programs: Programs | None = None) -> subprocess.Popen:
+    """Start the tree; the returned process is `unshare`, the parent of the namespace's init.
+
+    Everything that runs as root (unshare, setsid, sh, mount, setpriv) runs with a clean
+    environment; the job's environment travels in a memory file only the tree's init inherits, and
+    becomes an environment once the init runs as the user.
+    """
+    programs = programs or Programs.find()
     try:
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+        env_fd = rootexec.env_memfd(spec.env)
+    except OSError as exc:
+        raise ServiceError(f"cannot hand the job's environment to its processes: {exc.strerror}") from exc
+    try:
+        return subprocess.Popen(spawn_argv(spec, programs, env_fd), env=rootexec.clean_env(),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(env_fd,),
+                                start_new_session=True, cwd="/")
     except OSError as exc:
         raise ServiceError(f"cannot start the job's processes: {exc.strerror}") from exc
+    finally:
+        os.close(env_fd)
 
 
 def namespace_init(unshare_pid: int, timeout: float = 10.0) -> int:
@@ -74,16 +122,25 @@ def namespace_init(unshare_pid: int, timeout: float = 10.0) -> int:
     raise ServiceError(f"unshare (pid {unshare_pid}) started no namespace within {timeout:.0f}s")
 
 
-def user_init_started(init_pid: int, uid: int) -> bool:
-    """Whether the init has dropped to the user (before that, a dump would capture a root shell)."""
+def is_user_shell(status: str, exe: str, uid: int, shell: str) -> bool:
+    """Whether a process (its /proc status text and exe link) is the job user's init shell.
+
+    Between root's sh and the user's sh the init is setpriv and then the interpreter that applies
+    the job's environment, both already with the user's uid: only the exe tells the shell apart.
+    """
+    uids = next((line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")), [])
+    return bool(uids) and all(int(u) == uid for u in uids) and exe == os.path.realpath(shell)
+
+
+def user_init_started(init_pid: int, uid: int, shell: str = SHELL) -> bool:
+    """Whether the init is the user's shell (before that, a dump would capture a root shell or the
+    step that applies the job's environment)."""
     try:
         status = Path(f"/proc/{init_pid}/status").read_text()
-    except FileNotFoundError:
+        exe = os.readlink(f"/proc/{init_pid}/exe")
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    for line in status.splitlines():
-        if line.startswith("Uid:"):
-            return int(line.split()[1]) == uid
-    return False
+    return is_user_shell(status, exe, uid, shell)
 
 
 def kill_tree(init_pid: int) -> None:

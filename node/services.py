@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from singularity_slurm import rootexec
 from singularity_slurm.errors import ServiceError
 
 
@@ -63,7 +64,13 @@ def running_pid(run_dir: Path, name: str) -> int | None:
 
 def start(spec: ServiceSpec, run_dir: Path, env: dict[str, str] | None = None,
           ready_timeout: float = 10.0) -> int:
-    """Start `spec` detached (own session, no inherited fds, log in run_dir) and wait until ready."""
+    """Start `spec` detached (own session, no inherited fds, log in run_dir) and wait until ready.
+
+    Its environment is `env`, or by default a clean one (`rootexec.service_env`): a service never
+    inherits its starter's environment, which may come from a job step.
+    """
+    if env is None:
+        env = rootexec.service_env(os.environ)
     run_dir.mkdir(parents=True, exist_ok=True)
     existing = running_pid(run_dir, spec.name)
     if existing is not None:

@@ -6,14 +6,23 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import NodeStart, Registry, connect
 from singularity_slurm.errors import RegistryError, SingularityError
-from singularity_slurm.jobenv import JobContext, job_run_dir
+from singularity_slurm.jobenv import (
+    STEP_SPECIAL,
+    InvalidJobIdentity,
+    JobContext,
+    gpus_of_node,
+    job_run_dir,
+    valid_job_id,
+)
 from singularity_slurm.node import services
 from singularity_slurm.nodelog import node_logger
+from singularity_slurm.slurm_plugin.slurm import SlurmClient
 
 AGENT = "agent"
 PROXY = "proxy-"
@@ -42,17 +51,30 @@ def proxy_spec(job: JobContext, config: Config, run_dir: Path, device: str) -> s
     return services.ServiceSpec(f"{PROXY}{device}", argv, ready_path=socket_path)
 
 
+def ensure_context(items: dict[str, str], config: Config, slurm: SlurmClient) -> JobContext:
+    """The job of a step, from the SPANK items the plugin passes and Slurm's records of job and step."""
+    job_id = valid_job_id(items.get("SLURM_JOB_ID", ""))
+    record = slurm.job(job_id)
+    if record is None:
+        raise InvalidJobIdentity(f"Slurm has no record of job {job_id}")
+    step_id = items.get("SLURM_STEP_ID", "")
+    step = slurm.step(job_id, int(step_id)) if step_id.isdigit() and int(step_id) < STEP_SPECIAL else None
+    job = JobContext.from_slurm(items, record, (step or {}).get("NodeList"), [], config)
+    return replace(job, gpus=gpus_of_node(slurm.job_detail(job_id), job.node))
+
+
 def run(env: dict[str, str], ensure: bool = False) -> int:
     """Prepare the node for the job; with `ensure`, only if its services are not running already.
 
     `ensure` is how the SPANK plugin calls it at every job step: slurmd skips the Prolog when a
-    requeued job comes back to a node within the credential lifetime.
+    requeued job comes back to a node within the credential lifetime. The plugin runs in the step,
+    whose environment is the user's: it passes SPANK items only, and the rest comes from Slurm.
     """
-    node = env.get("SLURMD_NODENAME", "?")
+    node = "?" if ensure else env.get("SLURMD_NODENAME", "?")
     log = node_logger("prolog", node, env.get("SLURM_JOB_ID", "?"))
     try:
         config = load()
-        job = JobContext.from_env(env, config)
+        job = ensure_context(env, config, SlurmClient()) if ensure else JobContext.from_env(env, config)
     except SingularityError as exc:
         log.error("cannot prepare the node: %s", exc)
         return 1

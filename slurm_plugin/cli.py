@@ -157,7 +157,7 @@ def run(config_path: Path | None, checkpoint_interval: float | None, world_size:
         launcher = Launcher(config, os.environ, checkpoint_interval_s=(
             checkpoint_interval * 60 if checkpoint_interval else None), world_size=run_command.world_size)
         sys.exit(launcher.run(list(run_command.argv), early))
-    except LaunchError as exc:
+    except (LaunchError, SingularityError) as exc:
         _fail(exc)
 
 

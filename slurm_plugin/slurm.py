@@ -8,13 +8,16 @@ that range, so records are read from the one-line form.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from singularity_slurm import rootexec
 from singularity_slurm.errors import SlurmCommandFailed, SlurmError
+from singularity_slurm.jobenv import expand_hostlist  # noqa: F401 (part of this interface)
 
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*$")
 
@@ -78,28 +81,6 @@ def parse_sbatch_parsable(text: str) -> int:
     return int(job_id)
 
 
-def expand_hostlist(expr: str) -> list[str]:
-    """Slurm hostlist `n[1-3,5],gpu01` -> ['n1', 'n2', 'n3', 'n5', 'gpu01'] (zero padding kept)."""
-    if not expr or expr in {"(null)", "None"}:
-        return []
-    hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", expr):
-        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not match:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for item in ranges.split(","):
-            lo, _, hi = item.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo) if lo.startswith("0") else 0
-            for n in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{n:0{width}d}{suffix}")
-    return hosts
-
-
 def parse_gpu_count(record: dict[str, str]) -> int:
     """GPUs per node a job asked for, from TresPerNode (`gres:gpu:2`, `gres/gpu=2`, `gpu:a100:2`)."""
     tres = record.get("TresPerNode") or record.get("Gres") or ""
@@ -154,16 +135,24 @@ def is_invalid_job(stderr: str) -> bool:
 class SlurmClient:
     """Runs Slurm's CLI; every method is a thin shell around the pure functions above."""
 
-    def __init__(self, timeout: float = 30.0, runner=subprocess.run):
+    def __init__(self, timeout: float = 30.0, runner=subprocess.run, as_root: bool | None = None):
         self.timeout = timeout
         self._run = runner
+        # As root (the agent, its release helper, admin tools) Slurm's tools run by absolute path with
+        # a clean environment; as a user (the CLI, the launcher) they run as the user's own commands.
+        # A runner given by a test sees the argv as written unless as_root says otherwise.
+        self.as_root = (os.geteuid() == 0 and runner is subprocess.run) if as_root is None else as_root
 
     def run(self, argv: list[str], check: bool = True, user: str | None = None,
             input: str | None = None) -> subprocess.CompletedProcess[str]:
         full = ["runuser", "-u", user, "--", *argv] if user else argv
+        extra = {}
+        if self.as_root:  # root never finds Slurm's tools through, or runs them with, a caller's env
+            full = [rootexec.system_program(full[0]), *full[1:]]
+            extra = {"env": rootexec.clean_env()}
         try:
             proc = self._run(full, capture_output=True, text=True, timeout=self.timeout,
-                             input=input)
+                             input=input, **extra)
         except FileNotFoundError as exc:
             raise SlurmError(
                 f"{argv[0]} not found: install Slurm's client tools (Debian: slurm-client)"
@@ -191,6 +180,15 @@ class SlurmClient:
         if proc.stdout.strip() == "No jobs in the system":
             return []
         return parse_records(proc.stdout)
+
+    def job_detail(self, job_id: int) -> str:
+        """`scontrol show job -d -o`: the record with its per-node resources (GRES indexes)."""
+        return self.run(["scontrol", "show", "job", "-d", "-o", str(job_id)]).stdout
+
+    def step(self, job_id: int, step_id: int) -> dict[str, str] | None:
+        proc = self.run(["scontrol", "show", "step", "-o", f"{job_id}.{step_id}"], check=False)
+        records = parse_records(proc.stdout) if proc.returncode == 0 else []
+        return records[0] if records else None
 
     def job(self, job_id: int) -> dict[str, str] | None:
         jobs = self.jobs(job_id)

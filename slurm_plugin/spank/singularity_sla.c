@@ -18,7 +18,6 @@
  * credential lifetime (the job id is still in its credential cache), which the launcher's lifted
  * requeue delay makes the usual case.
  */
-#include <pwd.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,43 +109,47 @@ static const char *tier_of_partition(const char *partition)
 	return NULL;
 }
 
-/* Run the Prolog in `--ensure` mode (it returns at once when the services already run). */
+/*
+ * Run the Prolog in `--ensure` mode (it returns at once when the services already run). This runs as
+ * root inside the user's step, whose environment the user wrote: only SPANK items (which slurmstepd
+ * has from slurmd and the job credential) go to the Prolog, which reads everything else (node name,
+ * partition, restart count, GPUs) from Slurm's record of the job and step. Never spank_getenv here.
+ */
 static void ensure_node_services(spank_t sp)
 {
-	uint32_t job_id = 0, uid = 0;
-	char node[256] = "", partition[128] = "", restarts[32] = "0";
-	char env_job[64], env_uid[64], env_user[300], env_node[300], env_part[200], env_restart[64],
-	     env_tier[64];
-	struct passwd *pw;
+	uint32_t job_id = 0, step_id = 0, node_id = 0;
+	uid_t uid = 0;
+	gid_t gid = 0;
+	char env_job[64], env_uid[64], env_gid[64], env_step[64], env_node[64];
 	pid_t pid;
 	int status;
 
 	if (!ensure_program[0] || spank_get_item(sp, S_JOB_ID, &job_id) != ESPANK_SUCCESS ||
 	    spank_get_item(sp, S_JOB_UID, &uid) != ESPANK_SUCCESS ||
-	    spank_getenv(sp, "SLURMD_NODENAME", node, sizeof(node)) != ESPANK_SUCCESS)
+	    spank_get_item(sp, S_JOB_GID, &gid) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_STEPID, &step_id) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_JOB_NODEID, &node_id) != ESPANK_SUCCESS) {
+		if (ensure_program[0])
+			slurm_error("singularity_sla: SPANK items of the job are unavailable; node services "
+				    "not checked");
 		return;
-	spank_getenv(sp, "SLURM_JOB_PARTITION", partition, sizeof(partition));
-	spank_getenv(sp, "SLURM_RESTART_COUNT", restarts, sizeof(restarts));
-	pw = getpwuid(uid);
+	}
 	snprintf(env_job, sizeof(env_job), "SLURM_JOB_ID=%u", job_id);
-	snprintf(env_uid, sizeof(env_uid), "SLURM_JOB_UID=%u", uid);
-	snprintf(env_user, sizeof(env_user), "SLURM_JOB_USER=%s", pw ? pw->pw_name : "");
-	snprintf(env_node, sizeof(env_node), "SLURMD_NODENAME=%s", node);
-	snprintf(env_part, sizeof(env_part), "SLURM_JOB_PARTITION=%s", partition);
-	snprintf(env_restart, sizeof(env_restart), "SLURM_JOB_RESTART_COUNT=%s", restarts);
-	snprintf(env_tier, sizeof(env_tier), "SPANK_SINGULARITY_SLA=%s",
-		 chosen[0] ? chosen : (tier_of_partition(partition) ? tier_of_partition(partition) : ""));
+	snprintf(env_uid, sizeof(env_uid), "SLURM_JOB_UID=%u", (unsigned) uid);
+	snprintf(env_gid, sizeof(env_gid), "SLURM_JOB_GID=%u", (unsigned) gid);
+	snprintf(env_step, sizeof(env_step), "SLURM_STEP_ID=%u", step_id);
+	snprintf(env_node, sizeof(env_node), "SLURM_NODEID=%u", node_id);
 	pid = fork();
 	if (pid == 0) {
 		char *argv[] = { ensure_program, "--ensure", NULL };
-		char *envp[] = { env_job, env_uid, env_user, env_node, env_part, env_restart, env_tier,
-				 "PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL };
+		char *envp[] = { env_job, env_uid, env_gid, env_step, env_node,
+				 "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C", NULL };
 		execve(ensure_program, argv, envp);
 		_exit(127);
 	}
 	if (pid > 0 && waitpid(pid, &status, 0) == pid && !(WIFEXITED(status) && WEXITSTATUS(status) == 0))
-		slurm_error("singularity_sla: %s --ensure failed for job %u on %s", ensure_program, job_id,
-			    node);
+		slurm_error("singularity_sla: %s --ensure failed for job %u (step %u, node index %u)",
+			    ensure_program, job_id, step_id, node_id);
 }
 
 int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)

@@ -6,6 +6,8 @@ import logging
 import os
 from pathlib import Path
 
+from .jobenv import NODE_NAME
+
 LOG_DIR = Path(os.environ.get("SINGULARITY_LOG_DIR", "/var/log/singularity-slurm"))
 
 
@@ -15,7 +17,8 @@ def node_logger(component: str, node: str, job_id: int | str) -> logging.LoggerA
         logger.setLevel(logging.INFO)
         try:
             LOG_DIR.mkdir(parents=True, exist_ok=True)
-            handler: logging.Handler = logging.FileHandler(LOG_DIR / f"node-{node}.log")
+            name = node if NODE_NAME.fullmatch(node) and ".." not in node else "unknown"
+            handler: logging.Handler = logging.FileHandler(LOG_DIR / f"node-{name}.log")
         except OSError:
             handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(

@@ -65,6 +65,23 @@ def test_other_user_is_refused_before_the_op_is_looked_at() -> None:
     }
 
 
+@pytest.mark.parametrize("named", [8, "7", None])
+def test_a_request_naming_another_job_is_refused_before_the_op_runs(named: object) -> None:
+    state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
+
+    assert state.handle({"op": "kill", "job_id": named}, JOB_UID) == {
+        "ok": False, "error": f"this agent serves job 7, not job {named!r}: send the request to that "
+                              "job's agent",
+    }
+    assert state.state == "none"
+
+
+def test_a_request_naming_its_own_job_is_served() -> None:
+    state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
+
+    assert state.handle({"op": "ping", "job_id": 7}, JOB_UID)["ok"] is True
+
+
 VALID_OPS = ("checkpoint, command_done, devices, generations, kill, latest, launcher_checkpoint, migrate, "
              "next_command, ping, requeue, restore, run_begin, run_end, start, status, wait")
 
@@ -333,7 +350,7 @@ class RecordingEngine:
     def use_rank(self, rank: object) -> None:
         self.ranks.append(rank)
 
-    def tree_spec(self, request: dict, uid: int) -> SimpleNamespace:
+    def tree_spec(self, request: dict, uid: int, job_id: int) -> SimpleNamespace:
         self.requests.append(request)
         return SimpleNamespace(argv=request["argv"])
 

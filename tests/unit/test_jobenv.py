@@ -185,3 +185,118 @@ def test_two_nodes_on_one_host_get_different_folders() -> None:
     state = Path("/run/singularity-slurm")
 
     assert job_run_dir(state, "n1", 42) != job_run_dir(state, "n2", 42)
+
+
+# --- identities that become paths -----------------------------------------------------------------
+
+from singularity_slurm.jobenv import (  # noqa: E402
+    STEP_BATCH,
+    InvalidJobIdentity,
+    gpus_of_node,
+    valid_job_id,
+    valid_node_name,
+)
+
+
+@pytest.mark.parametrize("name", ["n1", "gpu-node07", "node.cluster", "a_b", "x" * 64])
+def test_slurm_node_names_are_accepted(name: str) -> None:
+    assert valid_node_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["../../../tmp/evil", "..", "n1/..", "a..b", "", "-n1", ".n1", "n 1",
+                                  "n1\n", "x" * 65, None])
+def test_node_names_that_could_leave_the_state_folder_are_refused(name: object) -> None:
+    with pytest.raises(InvalidJobIdentity, match="is not a Slurm node name"):
+        valid_node_name(name)
+
+
+@pytest.mark.parametrize(("value", "job_id"), [("42", 42), (42, 42), ("4294967279", 4294967279)])
+def test_job_ids_are_positive_integers(value: object, job_id: int) -> None:
+    assert valid_job_id(value) == job_id
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1e3", " 42", "42/..", "", "٤٢", True, None, "4294967291"])
+def test_anything_else_is_not_a_job_id(value: object) -> None:
+    with pytest.raises(InvalidJobIdentity, match="is not a Slurm job id"):
+        valid_job_id(value)
+
+
+@pytest.mark.parametrize(("var", "value"), [("SLURMD_NODENAME", "../../../tmp/evil"),
+                                            ("SLURM_JOB_ID", "../42"), ("SLURM_JOB_UID", "0x0")])
+def test_prolog_environment_is_validated_before_it_becomes_paths(var: str, value: str) -> None:
+    with pytest.raises(InvalidJobIdentity):
+        JobContext.from_env({**PROLOG_ENV, var: value}, CONFIG)
+
+
+def test_run_dir_refuses_a_forged_node_name(tmp_path: Path) -> None:
+    with pytest.raises(InvalidJobIdentity):
+        job_run_dir(tmp_path, "../evil", 42)
+
+
+# --- the job of a step, from SPANK items and Slurm's record ----------------------------------------
+
+ITEMS = {"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "1001", "SLURM_JOB_GID": "1001", "SLURM_STEP_ID": "3",
+         "SLURM_NODEID": "1"}
+RECORD = {"JobId": "42", "UserId": "jobuser(1001)", "Partition": "basic", "NodeList": "n[1-3]",
+          "BatchHost": "n1", "Restarts": "2"}
+
+
+def from_slurm(items: dict = ITEMS, record: dict = RECORD, step_nodes: str | None = "n[2-3]",
+               gpus: list[str] | None = None) -> JobContext:
+    return JobContext.from_slurm(items, record, step_nodes, gpus or [], CONFIG,
+                                 user_name=lambda uid: "jobuser")
+
+
+def test_a_steps_job_comes_from_spank_items_and_slurms_record() -> None:
+    assert from_slurm(gpus=["0", "1"]) == JobContext(
+        job_id=42, user="jobuser", uid=1001, node="n3", partition="basic", tier="basic", gpus=["0", "1"],
+        restart_count=2)
+
+
+def test_the_batch_step_runs_on_the_batch_host() -> None:
+    job = from_slurm({**ITEMS, "SLURM_STEP_ID": str(STEP_BATCH), "SLURM_NODEID": "0"}, step_nodes=None)
+
+    assert job.node == "n1"
+
+
+def test_a_special_step_counts_the_jobs_nodes_not_a_step_record() -> None:
+    job = from_slurm({**ITEMS, "SLURM_STEP_ID": str(0xFFFFFFFC), "SLURM_NODEID": "2"}, step_nodes="n9")
+
+    assert job.node == "n3"
+
+
+def test_a_forged_environment_cannot_reach_the_steps_job() -> None:
+    """Only items and the record are read: the step environment's forgeries are not even inputs."""
+    forged = {**ITEMS, "SLURMD_NODENAME": "../../../tmp/evil", "SLURM_JOB_PARTITION": "premium",
+              "SLURM_RESTART_COUNT": "7", "SPANK_SINGULARITY_SLA": "premium"}
+
+    job = from_slurm(forged)
+
+    assert (job.node, job.partition, job.tier, job.restart_count) == ("n3", "basic", "basic", 2)
+
+
+@pytest.mark.parametrize(("items", "record", "step_nodes", "match"), [
+    ({**ITEMS, "SLURM_JOB_UID": "1002"}, RECORD, "n[2-3]", "belongs to 'jobuser\\(1001\\)'"),
+    (ITEMS, {**RECORD, "JobId": "43"}, "n[2-3]", "record is of job 43"),
+    ({**ITEMS, "SLURM_NODEID": "2"}, RECORD, "n[2-3]", "node index 2 is outside"),
+    ({k: v for k, v in ITEMS.items() if k != "SLURM_NODEID"}, RECORD, "n[2-3]", "passed no SLURM_NODEID"),
+    (ITEMS, RECORD, "n1,../x", "is not a Slurm node name"),
+])
+def test_items_that_disagree_with_slurm_are_refused(items: dict, record: dict, step_nodes: str,
+                                                    match: str) -> None:
+    with pytest.raises(InvalidJobIdentity, match=match):
+        from_slurm(items, record, step_nodes)
+
+
+DETAIL = ("JobId=42 JobName=t UserId=jobuser(1001) NodeList=n[1-2] BatchHost=n1 "
+          "  Nodes=n1 CPU_IDs=0-1 Mem=0 GRES=gpu:2(IDX:1-2) "
+          "  Nodes=n2 CPU_IDs=0 Mem=0 GRES=gpu:tesla:3(IDX:0,2-3) MinCPUsNode=1")
+
+
+@pytest.mark.parametrize(("node", "gpus"), [("n1", ["1", "2"]), ("n2", ["0", "2", "3"]), ("n3", [])])
+def test_gpus_of_a_node_come_from_its_gres_indexes(node: str, gpus: list[str]) -> None:
+    assert gpus_of_node(DETAIL, node) == gpus
+
+
+def test_a_node_without_gpus_in_the_detail_has_none() -> None:
+    assert gpus_of_node("JobId=42 Nodes=n1 CPU_IDs=0 Mem=0 GRES= MinCPUsNode=1", "n1") == []

@@ -96,6 +96,23 @@ def test_service_gets_the_given_environment_root_cwd_and_a_log(run_dir: Path) ->
     assert wait_for(lambda: log.read_text() == "hello in /\n"), log.read_text()
 
 
+def test_service_without_an_environment_gets_a_clean_one_not_its_starters(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "/home/mallory/evil.so")
+    monkeypatch.setenv("PATH", "/home/mallory/bin:/usr/bin:/bin")
+    monkeypatch.setenv("SINGULARITY_CONFIG", "/etc/singularity-slurm/site.toml")
+    spec = ServiceSpec("env", ["/usr/bin/env"])
+
+    start(spec, run_dir)
+
+    log = run_dir / "env.log"
+    assert wait_for(lambda: log.read_text().endswith("\n")), log.read_text()
+    assert sorted(log.read_text().splitlines()) == [
+        "LC_ALL=C", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+        "SINGULARITY_CONFIG=/etc/singularity-slurm/site.toml",
+    ]
+
+
 def test_second_start_returns_the_running_service(run_dir: Path) -> None:
     first = start(SLEEPER, run_dir)
 

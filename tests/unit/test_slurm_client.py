@@ -489,3 +489,21 @@ def test_release_start_runs_scontrol_update() -> None:
     SlurmClient(runner=runner).release_start(42)
 
     assert [c["argv"] for c in runner.calls] == [release_start_argv(42)]
+
+
+def test_as_root_slurm_tools_run_by_absolute_path_with_a_clean_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/home/mallory/bin:/usr/bin")
+    monkeypatch.setenv("LD_PRELOAD", "/home/mallory/evil.so")
+    show = ("/usr/bin/scontrol", "show", "job", "-o", "42")
+    runner = FakeRunner({show: (0, "JobId=42 JobState=RUNNING\n", "")})
+
+    assert SlurmClient(runner=runner, as_root=True).job(42) == {"JobId": "42", "JobState": "RUNNING"}
+    assert runner.calls[0]["env"] == {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+
+
+def test_as_a_user_slurm_tools_run_as_the_users_own_commands() -> None:
+    runner = FakeRunner({SHOW_42: (0, "JobId=42\n", "")})
+
+    assert SlurmClient(runner=runner, as_root=False).job(42) == {"JobId": "42"}
+    assert "env" not in runner.calls[0]
