@@ -46,7 +46,7 @@ import click
 
 from singularity_slurm import config as config_mod
 from singularity_slurm.errors import SingularityError
-from singularity_slurm.slurm_plugin.slurm import SlurmClient
+from singularity_slurm.slurmcli import SlurmClient
 
 POLL_S = 0.1
 TERMINAL = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL",

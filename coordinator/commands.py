@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from singularity_slurm.errors import CommandChannelError, SingularityError
-from singularity_slurm.slurm_plugin.slurm import expand_hostlist
+from singularity_slurm.slurmcli import expand_hostlist
 
 from . import keys
 

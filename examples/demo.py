@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from singularity_slurm import config as config_mod
-from singularity_slurm.slurm_plugin.slurm import SlurmClient
+from singularity_slurm.slurmcli import SlurmClient
 
 USER = os.environ.get("SINGULARITY_DEVCLUSTER_USER", "jobuser")
 BIN = config_mod.load().paths.prefix / "venv" / "bin"

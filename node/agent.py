@@ -70,7 +70,7 @@ from singularity_slurm.node import runs, services
 if TYPE_CHECKING:
     from singularity_slurm.config import Config
     from singularity_slurm.coordinator.commands import CommandServer
-    from singularity_slurm.slurm_plugin.slurm import SlurmClient
+    from singularity_slurm.slurmcli import SlurmClient
 
 MAX_REQUEST = 1 << 20
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")

@@ -22,7 +22,7 @@ from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, SingularityError
 from singularity_slurm.interpose import filelog
-from singularity_slurm.slurm_plugin.slurm import SlurmClient
+from singularity_slurm.slurmcli import SlurmClient
 
 from . import jobtree, localfiles, runs
 from .agent import RequestError

@@ -13,7 +13,7 @@ import sys
 import time
 
 from singularity_slurm.errors import SingularityError
-from singularity_slurm.slurm_plugin.slurm import SlurmClient
+from singularity_slurm.slurmcli import SlurmClient
 
 
 def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int,

@@ -22,7 +22,7 @@ from singularity_slurm.jobenv import (
 )
 from singularity_slurm.node import services
 from singularity_slurm.nodelog import node_logger
-from singularity_slurm.slurm_plugin.slurm import SlurmClient
+from singularity_slurm.slurmcli import SlurmClient
 
 AGENT = "agent"
 PROXY = "proxy-"

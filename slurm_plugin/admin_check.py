@@ -17,9 +17,9 @@ from typing import Any
 from singularity_slurm.config import TIERS, Config
 from singularity_slurm.coordinator.registry import connect
 from singularity_slurm.errors import SingularityError
+from singularity_slurm.slurmcli import SlurmClient, SlurmVersion, parse_version
 
 from . import policy
-from .slurm import SlurmClient, SlurmVersion, parse_version
 
 MIN_SLURM = SlurmVersion(22, 5)
 MIN_CRIU = (4, 0)

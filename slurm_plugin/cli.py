@@ -13,10 +13,10 @@ import click
 from singularity_slurm import config as config_mod
 from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import SingularityError
+from singularity_slurm.slurmcli import SlurmClient
 
 from . import admin_check, policy
 from . import status as status_mod
-from .slurm import SlurmClient
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 

@@ -23,8 +23,7 @@ from singularity_slurm.config import Config
 from singularity_slurm.coordinator.commands import CommandClient, new_request
 from singularity_slurm.coordinator.registry import connect
 from singularity_slurm.errors import CommandChannelError, ConfigError, RegistryError, SingularityError
-
-from .slurm import SlurmClient, expand_hostlist, parse_user
+from singularity_slurm.slurmcli import SlurmClient, expand_hostlist, parse_user
 
 
 class JobControlError(SingularityError):

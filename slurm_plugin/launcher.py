@@ -39,9 +39,9 @@ from singularity_slurm.coordinator.placement import PlacementError, place
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
 from singularity_slurm.node.agent import request
+from singularity_slurm.slurmcli import SlurmClient, expand_hostlist
 
 from . import lifecycle
-from .slurm import SlurmClient, expand_hostlist
 
 LOG = logging.getLogger("singularity.launcher")
 FRONT_PID = "SINGULARITY_LAUNCHER_FRONT"

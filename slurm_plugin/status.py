@@ -6,8 +6,7 @@ import time
 from typing import Any
 
 from singularity_slurm.config import Config
-
-from .slurm import expand_hostlist, parse_gpu_count, parse_user
+from singularity_slurm.slurmcli import expand_hostlist, parse_gpu_count, parse_user
 
 
 def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config) -> dict[str, Any]:

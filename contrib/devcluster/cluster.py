@@ -17,7 +17,7 @@ from singularity_slurm import config as config_mod
 from singularity_slurm.checkpoint.criu import install_wrapper
 from singularity_slurm.errors import DevClusterError, SingularityError
 from singularity_slurm.slurm_plugin import policy
-from singularity_slurm.slurm_plugin.slurm import SlurmClient, parse_version
+from singularity_slurm.slurmcli import SlurmClient, parse_version
 
 from . import daemons, install, render
 from .render import Layout

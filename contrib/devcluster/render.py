@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from singularity_slurm.config import TIERS, Config
-from singularity_slurm.slurm_plugin.slurm import SlurmVersion
+from singularity_slurm.slurmcli import SlurmVersion
 
 GPUS_PER_NODE = 4
 CPUS_PER_NODE = 4

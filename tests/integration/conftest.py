@@ -22,7 +22,7 @@ import pytest
 from singularity_slurm import config as config_mod
 from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.devcluster.cluster import default_layout
-from singularity_slurm.slurm_plugin.slurm import SlurmClient
+from singularity_slurm.slurmcli import SlurmClient
 
 pytestmark = pytest.mark.integration
 

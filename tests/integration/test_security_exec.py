@@ -133,7 +133,7 @@ def other_jobs(cluster) -> Iterator[Jobs]:
     workdir.mkdir(parents=True)
     for path in (workdir.parent, workdir):
         os.chown(path, entry.pw_uid, entry.pw_gid)
-    from singularity_slurm.slurm_plugin.slurm import SlurmClient
+    from singularity_slurm.slurmcli import SlurmClient
 
     jobs = Jobs(name, workdir, SlurmClient())
     yield jobs
@@ -226,7 +226,7 @@ def test_ensure_mode_reads_node_gpus_partition_and_restarts_from_slurm(jobs, con
     """What the SPANK plugin's items and Slurm's records give the Prolog's --ensure mode, for the batch
     step and an srun step of a real job, is what slurmd gave the job itself."""
     from singularity_slurm.prolog.main import ensure_context
-    from singularity_slurm.slurm_plugin.slurm import SlurmClient
+    from singularity_slurm.slurmcli import SlurmClient
 
     job_id = jobs.submit(jobs.script("steps.sh", """#!/bin/bash
 #SBATCH --singularity-sla=basic

@@ -9,7 +9,7 @@ import pytest
 from singularity_slurm.config import Config, parse
 from singularity_slurm.slurm_plugin import policy
 from singularity_slurm.slurm_plugin.admin_check import Facts, Result, evaluate, results_json
-from singularity_slurm.slurm_plugin.slurm import SlurmVersion
+from singularity_slurm.slurmcli import SlurmVersion
 
 CONFIG = parse({})
 SLURM_CONF = "/etc/slurm/slurm.conf"

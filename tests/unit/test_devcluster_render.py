@@ -18,7 +18,7 @@ from singularity_slurm.devcluster.render import (
     render_singularity_config,
     render_slurm_conf,
 )
-from singularity_slurm.slurm_plugin.slurm import SlurmVersion, parse_record
+from singularity_slurm.slurmcli import SlurmVersion, parse_record
 
 LAYOUT = Layout(hostname="devhost")
 CONFIG = parse({})

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from singularity_slurm.errors import SlurmCommandFailed, SlurmError
-from singularity_slurm.slurm_plugin.slurm import (
+from singularity_slurm.slurmcli import (
     SlurmClient,
     SlurmVersion,
     expand_hostlist,

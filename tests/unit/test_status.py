@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from singularity_slurm.config import parse
-from singularity_slurm.slurm_plugin.slurm import parse_record
 from singularity_slurm.slurm_plugin.status import format_details, format_table, merge_job
+from singularity_slurm.slurmcli import parse_record
 
 CONFIG = parse({})
 
