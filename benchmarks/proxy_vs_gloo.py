@@ -250,19 +250,20 @@ class Runner:
                 if time.monotonic() > deadline:
                     raise BenchmarkError(f"proxy {pid} did not listen on {sock} within 30s")
                 time.sleep(POLL_S)
-        from singularity_slurm.proxy.daemon import request
+        from singularity_slurm import rpc
 
         config = {"op": "configure", "generation": "1", "placement": {str(r): p for r, p in places.items()}}
         for pid, (_proc, sock) in proxies.items():
-            reply = request(sock, config)
-            if not reply.get("ok"):
-                raise BenchmarkError(f"proxy {pid} refused its configuration: {reply.get('error')}")
+            try:
+                rpc.call(sock, config, timeout=30, service=f"proxy {pid}")
+            except rpc.RpcError as exc:
+                raise BenchmarkError(f"proxy {pid} refused its configuration: {exc}") from exc
         return proxies
 
     # --- the run --------------------------------------------------------------------------------
 
     def run(self, rnd: int, hidden: int, mode: str, position: int) -> Run:
-        from singularity_slurm.proxy.daemon import request
+        from singularity_slurm.rpc import call
 
         folder = self.workdir / f"round{rnd}-h{hidden}-{mode}"
         folder.mkdir(parents=True)
@@ -292,7 +293,7 @@ class Runner:
             for point in ("warm", "timed"):
                 self.await_file(folder / f"{point}.ready", workers, deadline, folder)
                 if proxies:
-                    snapshots.append({pid: request(sock, {"op": "stats"})
+                    snapshots.append({pid: call(sock, {"op": "stats"}, timeout=30)
                                       for pid, (_proc, sock) in proxies.items()})
                 (folder / f"{point}.go").touch()
             for r, proc in enumerate(workers):

@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from singularity_slurm import rpc
 from singularity_slurm.errors import CommandChannelError, SingularityError
 from singularity_slurm.slurmcli import expand_hostlist
 
@@ -46,7 +47,7 @@ MAX_AGE_S = 60  # a credential older than this is refused (munge's TTL is set to
 MAX_SKEW_S = 30  # a credential this far in the future is refused (clocks of two hosts)
 PICKUP_TIMEOUT_S = 45.0  # < MAX_AGE_S: the client withdraws a request nobody took by then
 REPLY_TTL_S = 120
-BLOCK_S = 2.0  # BLPOP timeout; the agent notices a stop request within this
+BLOCK_S = 1.0  # the agent looks for requests this often, and notices a stop request within this
 MAX_BACKOFF_S = 10.0
 _REQUEST_ID = re.compile(r"[0-9a-f]{32}")
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -310,6 +311,27 @@ def batch_role(record: dict[str, str] | None, node: str) -> tuple[bool, bool] | 
     return record["BatchHost"] == node, len(expand_hostlist(record.get("NodeList", ""))) > 1
 
 
+_POP_BOUNDED = """
+local entry = redis.call('LPOP', KEYS[1])
+if not entry then return false end
+if string.len(entry) > tonumber(ARGV[1]) then return string.len(entry) end
+return {entry}
+"""
+
+
+def pop_bounded(client: redis.Redis, key: str, limit: int) -> str | int | None:
+    """Pop the list's first entry: the entry, or only its size (an int; the entry is dropped) when it
+    is over `limit` bytes, or None when the list is empty.
+
+    Redis lets an entry be 512 MiB; BLPOP would send all of it here before any check. A script pops
+    and measures it inside Redis instead, so nothing over the limit ever reaches the agent.
+    """
+    popped = client.eval(_POP_BOUNDED, 1, key, limit)
+    if popped is None or isinstance(popped, int):
+        return popped
+    return popped[0]
+
+
 def next_delay(delay: float) -> float:
     """Backoff while Redis or Slurm is unreachable: 0.5 s, doubling, at most MAX_BACKOFF_S."""
     return min(max(delay * 2, 0.5), MAX_BACKOFF_S)
@@ -431,7 +453,7 @@ class CommandServer:
             try:
                 if client is None:
                     client = self.connect()
-                item = client.blpop([keys.job_requests(self.job_id)], timeout=self.block_s)
+                entry = pop_bounded(client, keys.job_requests(self.job_id), MAX_ENVELOPE)
             except (SingularityError, redis.RedisError, OSError) as exc:
                 client = None
                 if delay == 0:
@@ -447,9 +469,15 @@ class CommandServer:
             if delay:
                 LOG.info("job %s node %s: Redis reachable again", self.job_id, self.node)
                 delay = 0.0
-            if item is not None:
+            if entry is None:
+                self.wait(self.block_s)
+            elif isinstance(entry, int):
+                LOG.warning("job %s node %s: refused an admin request from uid unknown: request of %s bytes "
+                            "is over the %s-byte limit (dropped unread)", self.job_id, self.node, entry,
+                            MAX_ENVELOPE)
+            else:
                 try:
-                    self.take(client, item[1], multi_node)
+                    self.take(client, entry, multi_node)
                 except Exception:  # the agent outlives any one request
                     LOG.exception("job %s node %s: could not take an admin request", self.job_id,
                                   self.node)
@@ -484,7 +512,7 @@ class CommandServer:
                 # A replay of a request taken before must not answer in its place.
                 answer = exc.request_id is not None and exc.request_id not in self._seen
             if answer:
-                self._answer(client, exc.request_id, {"ok": False, "error": f"refused: {exc.reason}"})
+                self._answer(client, exc.request_id, rpc.error_reply(rpc.Forbidden(f"refused: {exc.reason}")))
             return
         except Exception:  # the agent outlives any one request
             LOG.exception("job %s node %s: could not check an admin request", self.job_id, self.node)
@@ -508,7 +536,7 @@ class CommandServer:
                 reply = self.state.dispatch(agent_request(request, multi_node), after_reply)
             except Exception as exc:  # the caller's error, never the agent's end
                 LOG.exception("job %s node %s: %s failed", self.job_id, self.node, request.op)
-                reply = {"ok": False, "error": f"{request.op} failed: {exc}"}
+                reply = rpc.error_reply(rpc.Failed(f"{request.op} failed: {exc}"))
             LOG.info("job %s node %s: request %s answered: %s", self.job_id, self.node, request.request_id,
                      "ok" if reply.get("ok") else reply.get("error"))
             self._answer(client, request.request_id, reply)

@@ -10,7 +10,8 @@ user's job. The agent owns the job's process tree on this node: it starts it (as
 its own PID and mount namespace), checkpoints it with CRIU into the store, restores it from the
 store, and reports how it ended.
 
-Requests (`op`), each answered with `{"ok": true, ...}` or `{"ok": false, "error": "..."}`:
+Requests (`op`) are `rpc` frames, each answered with `{"ok": true, ...}` or
+`{"ok": false, "error": "...", "kind": "..."}` (see `singularity_slurm.rpc` for the kinds and limits):
   ping                                   liveness and identity
   start {argv, cwd, output, env, rank}   start the tree (rank: the node's index in the job)
   restore {rank, generation}             restore the newest valid checkpoint of the job (or, in a
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import json
 import logging
 import math
 import os
@@ -56,8 +56,6 @@ import queue
 import re
 import signal
 import socket
-import socketserver
-import struct
 import sys
 import threading
 import time
@@ -65,14 +63,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from singularity_slurm import rpc
 from singularity_slurm.node import runs, services
+from singularity_slurm.rpc import RequestError
 
 if TYPE_CHECKING:
     from singularity_slurm.config import Config
     from singularity_slurm.coordinator.commands import CommandServer
     from singularity_slurm.slurmcli import SlurmClient
 
-MAX_REQUEST = 1 << 20
+MAX_REQUEST = rpc.MAX_REQUEST
+MAX_CONNECTIONS = 32
+"""Connections one agent serves at once (root has rpc.ROOT_RESERVE more): each holds a thread."""
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
 _CALL = threading.local()  # per request thread: where to register callbacks for after the reply
 LOG = logging.getLogger("singularity.agent")
@@ -95,16 +97,12 @@ class TreeState(enum.StrEnum):
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
+    peer = rpc.peer_of(sock)
+    return peer.pid, peer.uid, peer.gid
 
 
 def authorized(peer_uid: int, job_uid: int) -> bool:
     return peer_uid in (0, job_uid)
-
-
-class RequestError(Exception):
-    """A request that cannot be served; the message goes back to the caller."""
 
 
 class AgentState:
@@ -120,8 +118,9 @@ class AgentState:
         self.cut_timeout = cut_timeout
         self.proxies: dict[str, Path] = {}  # proxies serving ranks of the tree: id -> control socket
         self.proxy_lost: str | None = None
-        self.commands: queue.Queue[dict] = queue.Queue()
-        self.command_results: queue.Queue[dict] = queue.Queue()
+        # One request goes to the launcher at a time (`pending`): one command, one answer.
+        self.commands: queue.Queue[dict] = queue.Queue(maxsize=1)
+        self.command_results: queue.Queue[dict] = queue.Queue(maxsize=1)
         self.launcher_polls_until = 0.0
         self.pending: dict | None = None  # the request handed to the launcher, one at a time
         self.delivered: threading.Event | None = None  # set once its answer reached its caller
@@ -138,7 +137,7 @@ class AgentState:
     def handle(self, request: dict, peer_uid: int, after_reply: list | None = None) -> dict:
         """Serve one request. `after_reply` collects callbacks to run once the caller has the reply."""
         if not authorized(peer_uid, self.job_uid):
-            return {"ok": False, "error": f"uid {peer_uid} may not act on job {self.job_id}"}
+            return rpc.error_reply(rpc.Forbidden(f"uid {peer_uid} may not act on job {self.job_id}"))
         return self.dispatch(request, after_reply)
 
     def dispatch(self, request: dict, after_reply: list | None = None) -> dict:
@@ -156,14 +155,14 @@ class AgentState:
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
             valid = ", ".join(sorted(n[3:] for n in dir(self) if n.startswith("op_")))
-            return {"ok": False, "error": f"unknown op {op!r}; valid ops: {valid}"}
+            return rpc.error_reply(rpc.BadRequest(f"unknown op {op!r}; valid ops: {valid}"))
         try:
             return {"ok": True, **handler(request)}
         except RequestError as exc:
-            return {"ok": False, "error": str(exc)}
+            return rpc.error_reply(exc)
         except Exception as exc:  # the agent must outlive any one request
             LOG.exception("job %s: %s failed", self.job_id, op)
-            return {"ok": False, "error": f"{op} failed: {exc}"}
+            return rpc.error_reply(rpc.Failed(f"{op} failed: {exc}"))
 
     def op_ping(self, request: dict) -> dict:
         return {"job_id": self.job_id, "node": self.node, "pid": os.getpid()}
@@ -175,7 +174,7 @@ class AgentState:
 
     def _need_engine(self) -> Any:
         if self.engine is None:
-            raise RequestError("this agent has no checkpoint engine")
+            raise rpc.Unavailable("this agent has no checkpoint engine")
         return self.engine
 
     def op_start(self, request: dict) -> dict:
@@ -240,8 +239,6 @@ class AgentState:
         if config is None:
             self.proxies = {}
             return None
-        from singularity_slurm.proxy.daemon import request as proxy_request
-
         if not isinstance(config, dict) or not isinstance(config.get("generation"), str):
             raise RequestError("proxy: needs {generation: string, placement: {rank: proxy id}}")
         placement = config.get("placement")
@@ -255,23 +252,22 @@ class AgentState:
             raise RequestError(f"the placement gives no rank to {self.node}'s proxies "
                                f"({', '.join(local) or 'none'})")
         for proxy in local:  # every proxy learns the generation; unused ones serve nothing
-            reply = proxy_request(local[proxy], {"op": "configure", "generation": config["generation"],
-                                                 "placement": placement})
-            if not reply.get("ok"):
-                raise RequestError(f"proxy {proxy}: {reply.get('error')}")
+            try:
+                rpc.call(local[proxy], {"op": "configure", "generation": config["generation"],
+                                        "placement": placement}, timeout=30, service=f"proxy {proxy}")
+            except rpc.RpcError as exc:
+                raise RequestError(f"proxy {proxy}: {exc}", kind=exc.kind) from exc
         self.proxies = {proxy: local[proxy] for proxy in sorted(used, key=_device_order)}
         LOG.info("job %s node %s: proxies %s serve ranks %s (generation %s)", self.job_id, self.node,
                  list(self.proxies), ranks, config["generation"])
         return ranks
 
     def _proxies_call(self, payload: dict, timeout: float | None) -> list[dict]:
-        from singularity_slurm.proxy.daemon import request as proxy_request
-
         def call(path: Path) -> dict:
             try:
-                return proxy_request(path, payload, timeout=timeout)
-            except (OSError, ValueError, EOFError) as exc:
-                return {"ok": False, "error": f"{path.name}: {exc}"}
+                return rpc.call(path, payload, timeout=timeout, service="the device proxy")
+            except rpc.RpcError as exc:
+                return {"ok": False, "error": f"{path.name}: {exc}", "kind": exc.kind}
 
         with ThreadPoolExecutor(max_workers=max(len(self.proxies), 1)) as pool:
             return list(pool.map(call, self.proxies.values()))
@@ -396,24 +392,24 @@ class AgentState:
     def _through_launcher(self, command: dict) -> dict:
         """Hand a request to the job's launcher and wait for its outcome."""
         if time.monotonic() >= self.launcher_polls_until:
-            raise RequestError(f"job {self.job_id} has no launcher waiting for requests on {self.node} "
+            raise rpc.Unavailable(f"job {self.job_id} has no launcher waiting for requests on {self.node} "
                                "(not a `singularityctl run` job, or it is starting or ending); try again "
                                "once it runs")
         delivered = threading.Event()
         after_reply = getattr(_CALL, "after_reply", None)
         with self.lock:
             if self.pending is not None:
-                raise RequestError(f"the job's launcher is carrying out another request "
+                raise rpc.Conflict(f"the job's launcher is carrying out another request "
                                    f"({self.pending['op']}); try again when it is done")
             command = {**command, "id": os.urandom(8).hex()}
             self.pending, self.delivered = command, delivered
             while not self.command_results.empty():  # an answer to a request that gave up waiting
                 self.command_results.get_nowait()
-        self.commands.put(command)
+        self.commands.put_nowait(command)  # empty: `pending` was None and its leftovers are drained
         try:
             result = self.command_results.get(timeout=900)
         except queue.Empty:
-            raise RequestError(f"the job's launcher did not carry out {command['op']}") from None
+            raise rpc.Failed(f"the job's launcher did not carry out {command['op']}") from None
         finally:
             with self.lock:
                 self.pending = None
@@ -424,7 +420,7 @@ class AgentState:
             else:
                 after_reply.append(delivered.set)
         if not result.get("ok"):
-            raise RequestError(f"{command['op']} failed: {result.get('error')}")
+            raise rpc.Failed(f"{command['op']} failed: {result.get('error')}")
         return dict(result.get("summary") or {})
 
     def op_launcher_checkpoint(self, request: dict) -> dict:
@@ -448,9 +444,12 @@ class AgentState:
         with self.lock:
             pending = self.pending
             if pending is None or request.get("id") != pending["id"]:
-                raise RequestError(f"command_done: no request {request.get('id')!r} is being carried out")
-            self.command_results.put({"ok": bool(result.get("ok")), "error": result.get("error"),
-                                      "summary": result.get("summary")})
+                raise rpc.Conflict(f"command_done: no request {request.get('id')!r} is being carried out")
+            try:
+                self.command_results.put_nowait({"ok": bool(result.get("ok")), "error": result.get("error"),
+                                                 "summary": result.get("summary")})
+            except queue.Full:
+                raise rpc.Conflict(f"command_done: request {pending['id']} was answered already") from None
         delivered = self.delivered
         if delivered is not None:
             # The launcher requeues next, which ends the caller's job step: let the answer reach it.
@@ -509,75 +508,34 @@ def _device_order(proxy: str) -> tuple[str, int, str]:
     return (kind, int(number) if number else -1, proxy)
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    def handle(self) -> None:
-        _, uid, _ = peer_credentials(self.request)
-        after_reply: list = []
-        try:
-            self._serve(uid, after_reply)
-        finally:
-            for callback in after_reply:  # the caller closed its end: it has every answer
-                callback()
+def serve(socket_path: Path, state: AgentState, limits: rpc.Limits | None = None) -> None:
+    """Serve the agent's socket until SIGTERM or SIGINT; anyone may connect, SO_PEERCRED decides who
+    is served (root and the job's user; others get `forbidden` before anything is read)."""
 
-    def _serve(self, uid: int, after_reply: list) -> None:
-        for line in self.rfile:
-            if len(line) > MAX_REQUEST:
-                reply = {"ok": False, "error": "request too large"}
-            else:
-                try:
-                    request = json.loads(line)
-                    if not isinstance(request, dict):
-                        raise ValueError("not an object")
-                    reply = self.server.state.handle(request, uid, after_reply)  # type: ignore[attr-defined]
-                except ValueError as exc:
-                    reply = {"ok": False, "error": f"bad request: {exc}"}
-            self.wfile.write(json.dumps(reply).encode() + b"\n")
+    def allow(peer: rpc.Peer) -> str | None:
+        if authorized(peer.uid, state.job_uid):
+            return None
+        return f"uid {peer.uid} may not act on job {state.job_id}: only root and the job's user may"
 
-
-class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-
-def request(socket_path: Path, payload: dict, timeout: float | None = 5.0) -> dict:
-    """Send one request to an agent and return its reply."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(str(socket_path))
-        sock.sendall(json.dumps(payload).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    if not data:
-        raise ConnectionError(f"the agent at {socket_path} closed the connection without answering")
-    return json.loads(data)
-
-
-def serve(socket_path: Path, state: AgentState) -> None:
-    socket_path.unlink(missing_ok=True)
-    tmp = socket_path.with_name(socket_path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    server = _Server(str(tmp), _Handler)
-    server.state = state  # type: ignore[attr-defined]
-    # Anyone may connect; SO_PEERCRED decides who is served.
-    os.chmod(tmp, 0o666)
-    os.rename(tmp, socket_path)  # the socket appears only once it is listening
+    server = rpc.Server(socket_path, lambda request, call: state.handle(request, call.peer.uid,
+                                                                        call.after_reply),
+                        name=f"the node agent of job {state.job_id}", mode=0o666, allow=allow,
+                        limits=limits or rpc.Limits(max_connections=MAX_CONNECTIONS))
+    stop = threading.Event()
 
     def shutdown(signum, frame):
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        stop.set()
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
+    server.start()  # the socket appears only once it is listening
     print(f"node agent for job {state.job_id} on {state.node} listening on {socket_path}",
           flush=True)
     try:
-        server.serve_forever(poll_interval=0.2)
+        stop.wait()
     finally:
         state.shutdown()
-        server.server_close()
-        socket_path.unlink(missing_ok=True)
+        server.close()
         print(f"node agent for job {state.job_id} on {state.node} stopped", flush=True)
 
 
@@ -590,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--no-engine", action="store_true",
                         help="serve ping/status only (no CRIU, no store)")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help="connections served at once; more are answered busy "
+                             f"[default: {MAX_CONNECTIONS}]")
+    parser.add_argument("--idle-timeout", type=float, default=rpc.IDLE_TIMEOUT_S,
+                        help="seconds a connection may take to send a whole request "
+                             f"[default: {rpc.IDLE_TIMEOUT_S:g}]")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -606,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     if commands is not None:
         commands.start()
     try:
-        serve(args.socket, state)
+        serve(args.socket, state, rpc.Limits(max_connections=args.max_connections,
+                                             idle_timeout=args.idle_timeout))
     finally:
         if commands is not None:
             commands.stop()

@@ -22,10 +22,10 @@ from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, SingularityError
 from singularity_slurm.interpose import filelog
+from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
 from . import jobtree, localfiles, runs
-from .agent import RequestError
 
 KEEP_CHECKPOINTS = 3
 PAGE_CHUNK = 4096

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from singularity_slurm import rpc
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 
 from . import barrier, collectives
@@ -713,57 +714,25 @@ class Proxy:
         raise ProxyError(f"unknown op {op!r}; valid: configure, quiesce, resume, status, stats, ping")
 
 
-def serve_control(proxy: Proxy, path: Path) -> socket.socket:
+def serve_control(proxy: Proxy, path: Path, limits: rpc.Limits | None = None) -> rpc.Server:
     """Listen for the node agent on `path` (root only); the socket appears once it listens."""
-    path.unlink(missing_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(tmp))
-    os.chmod(tmp, 0o600)
-    server.listen(8)
-    os.rename(tmp, path)
 
-    def client(sock: socket.socket) -> None:
-        reader = wire.Reader(sock)
+    def handle(request: dict, call: rpc.Call) -> dict:
         try:
-            while True:
-                request, fds = reader.recv()
-                for fd in fds:
-                    os.close(fd)
-                try:
-                    reply = {"ok": True, **proxy.handle(request)}
-                except (ProxyError, KeyError, ValueError, TypeError, OSError) as exc:
-                    reply = {"ok": False, "error": str(exc)}
-                wire.send(sock, reply)
-        except (EOFError, OSError, wire.ProtocolError):
-            pass
-        finally:
-            sock.close()
+            return {"ok": True, **proxy.handle(request)}
+        except (KeyError, ValueError, TypeError) as exc:
+            raise rpc.BadRequest(f"{request.get('op')}: bad request: {exc!r}") from exc
+        except ProxyError as exc:
+            raise rpc.RemoteError(str(exc)) from exc
+        except OSError as exc:
+            raise rpc.Failed(f"{request.get('op')} failed: {exc}") from exc
 
-    def accept() -> None:
-        while True:
-            try:
-                sock, _ = server.accept()
-            except OSError:
-                return
-            if wire.peer_uid(sock) != 0:
-                sock.close()
-                continue
-            threading.Thread(target=client, args=(sock,), daemon=True).start()
+    def allow(peer: rpc.Peer) -> str | None:
+        return None if peer.uid == 0 else "a device proxy's control socket serves root only"
 
-    threading.Thread(target=accept, daemon=True).start()
-    return server
-
-
-def request(path: Path, payload: dict, timeout: float | None = 30.0) -> dict:
-    """One request to a proxy's control socket (the node agent's side)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(str(path))
-        wire.send(sock, payload)
-        reply, _ = wire.Reader(sock).recv()
-    return reply
+    return rpc.Server(path, handle, name=f"device proxy {proxy.id}", mode=0o600, allow=allow,
+                      limits=limits or rpc.Limits(max_connections=8, root_reserve=0,
+                                                  idle_timeout=rpc.IDLE_TIMEOUT_S)).start()
 
 
 def main(argv: list[str] | None = None) -> int:

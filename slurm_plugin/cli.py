@@ -21,9 +21,25 @@ from . import status as status_mod
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line: its lines joined, blank ones dropped."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return "; ".join(lines) or type(exc).__name__
+
+
 def _fail(exc: Exception) -> None:
-    click.echo(f"singularityctl: error: {exc}", err=True)
+    click.echo(f"singularityctl: error: {one_line(exc)}", err=True)
     sys.exit(1)
+
+
+class _Commands(click.Group):
+    """The command group; a project error that no command caught is printed as one line, exit 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except SingularityError as exc:
+            _fail(exc)
 
 
 def _load(path: Path | None) -> config_mod.Config:
@@ -34,7 +50,7 @@ def _load(path: Path | None) -> config_mod.Config:
         raise  # unreachable
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=_Commands, context_settings=CONTEXT)
 @click.option("--config", "config_path", type=click.Path(path_type=Path), envvar="SINGULARITY_CONFIG",
               help="Singularity configuration file [default: /etc/singularity-slurm/config.toml].")
 @click.version_option(package_name="singularity-slurm")
@@ -220,8 +236,8 @@ def migrate(config_path: Path | None, job_id: int, exclude: str | None, no_wait:
 @click.pass_obj
 def agent_call(config_path: Path | None, op: str, args: str) -> None:
     """Send one request to this job's node agent (runs as a step inside the job)."""
+    from singularity_slurm import rpc
     from singularity_slurm.jobenv import job_run_dir
-    from singularity_slurm.node.agent import request
 
     config = _load(config_path)
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
@@ -237,10 +253,14 @@ def agent_call(config_path: Path | None, op: str, args: str) -> None:
                 payload["env"] = {**payload.get("env", {}), "RANK": str(rank), "GROUP_RANK": str(rank)}
         sock = job_run_dir(config.paths.state_dir, os.environ["SLURMD_NODENAME"],
                            int(os.environ["SLURM_JOB_ID"])) / "agent.sock"
-        reply = request(sock, payload, timeout=None)
-    except (KeyError, ValueError, OSError) as exc:
-        reply = {"ok": False, "error": f"cannot reach the node agent: {exc}"}
-    click.echo(json.dumps(reply))
+    except (KeyError, ValueError, TypeError) as exc:
+        reply = rpc.error_reply(rpc.BadRequest(f"agent-call {op}: cannot make the request: {exc!r}"))
+    else:
+        try:
+            reply = rpc.call(sock, payload, timeout=None, service="the node agent", busy_retry_s=120)
+        except rpc.RpcError as exc:
+            reply = rpc.error_reply(exc)
+    click.echo(json.dumps(reply))  # for the caller to read: the launcher's fan-out, `jobctl`
 
 
 @main.group()

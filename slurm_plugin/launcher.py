@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from singularity_slurm import rpc
 from singularity_slurm.config import Config
 from singularity_slurm.coordinator.placement import PlacementError, place
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
-from singularity_slurm.node.agent import request
 from singularity_slurm.slurmcli import SlurmClient, expand_hostlist
 
 from . import lifecycle
@@ -49,10 +49,19 @@ FRONT_OUTPUT = "SINGULARITY_LAUNCHER_OUTPUT"
 WARNING_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
 REQUEUE_WAIT_S = 300.0
 """How long a launcher that asked for a requeue waits for Slurm to end it with the job."""
+BUSY_RETRY_S = 120.0
+"""How long a request the agent answers `busy` (it serves as many connections as it allows) is retried."""
 
 
 class LaunchError(SingularityError):
-    """The launcher cannot run the job here (not in a Slurm job, no agent)."""
+    """The launcher cannot run the job here (not in a Slurm job, no agent).
+
+    `kind`: the agent's error kind (`rpc`) when the agent refused or could not be reached, else None.
+    """
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -191,11 +200,9 @@ def requeue_from_front(config: Config, info: JobInfo, code: int, ended: threadin
         "requeueing it to resume from its last checkpoint")
     socket_path = job_run_dir(config.paths.state_dir, info.node, info.job_id) / "agent.sock"
     try:
-        reply = request(socket_path, {"op": "requeue"}, timeout=120)
-    except (OSError, ValueError) as exc:
-        reply = {"ok": False, "error": str(exc)}
-    if not reply.get("ok"):
-        say(f"{prefix}: requeue failed: {reply.get('error')}")
+        agent_call(socket_path, {"op": "requeue"}, timeout=120)
+    except rpc.RpcError as exc:
+        say(f"{prefix}: requeue failed: {exc}")
         return code
     if not ended.wait(REQUEUE_WAIT_S):  # the requeue ends the batch script with the job
         say(f"{prefix}: Slurm did not end the job within {REQUEUE_WAIT_S:.0f}s of its requeue")
@@ -254,13 +261,12 @@ class Launcher:
 
     def agent(self, payload: dict, timeout: float | None = 30.0) -> dict:
         try:
-            reply = request(self.socket, payload, timeout=timeout)
-        except (OSError, ValueError) as exc:
-            raise LaunchError(f"the node agent at {self.socket} did not answer {payload['op']}: {exc}; "
-                              "is the Prolog configured (`singularityctl admin check`)?") from exc
-        if not reply.get("ok"):
-            raise LaunchError(f"{payload['op']}: {reply.get('error')}")
-        return reply
+            return agent_call(self.socket, payload, timeout=timeout)
+        except rpc.TransportError as exc:
+            raise LaunchError(f"the node agent did not answer {payload['op']}: {exc}; is the Prolog "
+                              "configured (`singularityctl admin check`)?", exc.kind) from exc
+        except rpc.RemoteError as exc:
+            raise LaunchError(f"{payload['op']}: {exc}", exc.kind) from exc
 
     def fanout(self, op: str, payload: dict | None = None, timeout: float | None = None) -> list[dict]:
         """The same request to the agent of every node of the job (a job step, one task per node).
@@ -281,9 +287,11 @@ class Launcher:
         if missing:
             raise LaunchError(f"{op}: no answer from the agents of {', '.join(missing)}: "
                               f"{proc.stderr.strip()[-500:]}")
-        failed = [f"{self.info.nodes[i]}: {r.get('error')}" for i, r in enumerate(replies) if not r.get("ok")]
+        failed = [(self.info.nodes[i], r) for i, r in enumerate(replies) if not r.get("ok")]
         if failed:
-            raise LaunchError(f"{op} failed on " + "; ".join(failed))
+            kinds = {str(r.get("kind")) for _, r in failed}
+            why = "; ".join(f"{node}: {r.get('error')}" for node, r in failed)
+            raise LaunchError(f"{op} failed on {why}", kinds.pop() if len(kinds) == 1 else None)
         return replies  # type: ignore[return-value]
 
     def every_node(self, op: str, payload: dict | None = None, timeout: float | None = None) -> list[dict]:
@@ -427,13 +435,11 @@ class Launcher:
         """Admin requests (checkpoint, migrate) reach the batch host's agent; fetch them."""
         while True:
             try:
-                reply = request(self.socket, {"op": "next_command", "timeout": 30}, timeout=60)
-            except (OSError, ValueError):
-                time.sleep(5)
+                reply = agent_call(self.socket, {"op": "next_command", "timeout": 30}, timeout=60)
+            except rpc.RpcError:
+                time.sleep(5)  # an agent that is away or refuses the poll: do not spin
                 continue
-            if not reply.get("ok"):
-                time.sleep(5)  # an agent that refuses the poll: do not spin
-            elif reply.get("command"):
+            if reply.get("command"):
                 command = reply["command"]
                 self.events.put(lifecycle.Command(str(command.get("op")), tuple(command.get("exclude") or ()),
                                                   str(command.get("id") or "")))
@@ -485,7 +491,7 @@ class Launcher:
             reply = self.agent({"op": "restore", "run": self.run_key, "proxy": self.proxy_config()},
                                timeout=None)
         except LaunchError as exc:
-            if "no committed checkpoint" in str(exc):
+            if exc.kind == rpc.NoCheckpointFound.kind:
                 self.say("no committed checkpoint: starting from the beginning")
                 return False
             raise
@@ -572,6 +578,11 @@ class _Signal:
 @dataclass(frozen=True)
 class _Exited:
     code: int
+
+def agent_call(path: Path, payload: dict, timeout: float | None) -> dict:
+    """`rpc.call` to the node agent; `busy` (every connection slot taken) is retried for BUSY_RETRY_S."""
+    return rpc.call(path, payload, timeout=timeout, service="the node agent", busy_retry_s=BUSY_RETRY_S)
+
 
 def parse_labelled_replies(stdout: str, tasks: int) -> list[dict | None]:
     """`srun --label` output ("3: {json}") -> one reply per task, None where a task printed none."""

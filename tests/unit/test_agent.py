@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -18,13 +19,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from singularity_slurm import rpc
+from singularity_slurm.interpose.pyhook._singularity_worker import wire
 from singularity_slurm.node.agent import (
     MAX_REQUEST,
     AgentState,
     authorized,
     main,
     peer_credentials,
-    request,
 )
 
 JOB_UID = 1001
@@ -53,7 +55,7 @@ def test_other_user_is_refused_with_uid_and_job_named() -> None:
     state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
 
     assert state.handle({"op": "ping"}, 1002) == {
-        "ok": False, "error": "uid 1002 may not act on job 7",
+        "ok": False, "error": "uid 1002 may not act on job 7", "kind": "forbidden",
     }
 
 
@@ -61,7 +63,7 @@ def test_other_user_is_refused_before_the_op_is_looked_at() -> None:
     state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
 
     assert state.handle({"op": "dump"}, 1002) == {
-        "ok": False, "error": "uid 1002 may not act on job 7",
+        "ok": False, "error": "uid 1002 may not act on job 7", "kind": "forbidden",
     }
 
 
@@ -93,7 +95,7 @@ def test_unknown_op_lists_the_valid_ops(request_: dict, shown: str) -> None:
     state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
 
     assert state.handle(request_, JOB_UID) == {
-        "ok": False, "error": f"unknown op {shown}; valid ops: {VALID_OPS}",
+        "ok": False, "error": f"unknown op {shown}; valid ops: {VALID_OPS}", "kind": "bad_request",
     }
 
 
@@ -158,23 +160,33 @@ def start_agent(socket_dir: Path) -> Iterator[Callable[..., subprocess.Popen]]:
         proc.communicate(timeout=10)
 
 
+def request(path: Path, payload: dict) -> dict:
+    """The agent's reply as it came: `{"ok": true, ...}` or the error reply `rpc.call` raised for."""
+    try:
+        return rpc.call(path, payload, timeout=10)
+    except rpc.RemoteError as exc:
+        return rpc.error_reply(exc)
+
+
+def frame(raw: bytes) -> bytes:
+    return struct.pack("!I", len(raw)) + raw
+
+
 class Conversation:
-    """One connection to the agent, one JSON line each way."""
+    """One connection to the agent, raw frames each way."""
 
     def __init__(self, path: Path):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect(str(path))
-        self.replies = self.sock.makefile("rb")
 
     def send(self, raw: bytes) -> None:
         self.sock.sendall(raw)
 
     def reply(self) -> dict:
-        return json.loads(self.replies.readline())
+        return wire.Reader(self.sock).recv()[0]
 
     def close(self) -> None:
-        self.replies.close()
         self.sock.close()
 
 
@@ -207,7 +219,7 @@ def test_unknown_op_over_the_socket(start_agent, socket_dir: Path) -> None:
     start_agent()
 
     assert request(socket_dir / "agent.sock", {"op": "dump"}) == {
-        "ok": False, "error": f"unknown op 'dump'; valid ops: {VALID_OPS}",
+        "ok": False, "error": f"unknown op 'dump'; valid ops: {VALID_OPS}", "kind": "bad_request",
     }
 
 
@@ -215,25 +227,24 @@ def test_an_agent_without_engine_refuses_tree_operations(start_agent, socket_dir
     start_agent()
 
     assert request(socket_dir / "agent.sock", {"op": "restore"}) == {
-        "ok": False, "error": "this agent has no checkpoint engine",
+        "ok": False, "error": "this agent has no checkpoint engine", "kind": "unavailable",
     }
 
 
-def test_malformed_lines_get_error_replies_and_the_connection_goes_on(
-        start_agent, socket_dir: Path) -> None:
+@pytest.mark.parametrize(("raw", "error"), [
+    (b"not json", "bad request: frame is not JSON: Expecting value: line 1 column 1 (char 0)"),
+    (b"[1, 2]", "bad request: frame is not a JSON object"),
+    (b"\xff\xfe garbage", "bad request: frame is not JSON: "),
+])
+def test_a_malformed_frame_gets_a_bad_request_reply_and_is_dropped(
+        start_agent, socket_dir: Path, raw: bytes, error: str) -> None:
     start_agent()
     talk = Conversation(socket_dir / "agent.sock")
     try:
-        talk.send(b"not json\n")
-        assert talk.reply() == {
-            "ok": False, "error": "bad request: Expecting value: line 1 column 1 (char 0)",
-        }
-        talk.send(b"[1, 2]\n")
-        assert talk.reply() == {"ok": False, "error": "bad request: not an object"}
-        talk.send(b"\xff\xfe garbage\n")
-        assert talk.reply()["error"].startswith("bad request: ")
-        talk.send(b'{"op": "ping"}\n')
-        assert talk.reply()["ok"] is True
+        talk.send(frame(raw))
+        reply = talk.reply()
+        assert reply["error"].startswith(error) and reply["kind"] == "bad_request"
+        assert talk.sock.recv(1) == b""  # a peer that speaks garbage is not read further
     finally:
         talk.close()
 
@@ -241,7 +252,7 @@ def test_malformed_lines_get_error_replies_and_the_connection_goes_on(
 def test_agent_keeps_serving_after_a_malformed_request(start_agent, socket_dir: Path) -> None:
     proc = start_agent()
     talk = Conversation(socket_dir / "agent.sock")
-    talk.send(b"{\n")
+    talk.send(frame(b"{"))
     assert talk.reply()["ok"] is False
     talk.close()
 
@@ -252,19 +263,19 @@ def test_pipelined_requests_are_answered_in_order(start_agent, socket_dir: Path)
     start_agent()
     talk = Conversation(socket_dir / "agent.sock")
     try:
-        talk.send(b'{"op": "ping"}\n{"op": "nope"}\n{"op": "ping"}\n')
+        talk.send(frame(b'{"op": "ping"}') + frame(b'{"op": "nope"}') + frame(b'{"op": "ping"}'))
 
         assert [talk.reply()["ok"] for _ in range(3)] == [True, False, True]
     finally:
         talk.close()
 
 
-def test_last_request_without_newline_is_answered_when_the_client_half_closes(
+def test_a_request_is_answered_when_the_client_half_closes_after_it(
         start_agent, socket_dir: Path) -> None:
     start_agent()
     talk = Conversation(socket_dir / "agent.sock")
     try:
-        talk.send(b'{"op": "ping"}')
+        talk.send(frame(b'{"op": "ping"}'))
         talk.sock.shutdown(socket.SHUT_WR)
 
         assert talk.reply()["node"] == "n9"
@@ -272,15 +283,19 @@ def test_last_request_without_newline_is_answered_when_the_client_half_closes(
         talk.close()
 
 
-def test_oversized_request_is_refused(start_agent, socket_dir: Path) -> None:
-    start_agent()
+def test_oversized_request_is_refused_from_its_header_and_the_agent_serves_on(
+        start_agent, socket_dir: Path) -> None:
+    proc = start_agent()
     talk = Conversation(socket_dir / "agent.sock")
     try:
-        talk.send(b'{"pad": "' + b"x" * MAX_REQUEST + b'"}\n')
+        talk.send(struct.pack("!I", MAX_REQUEST + 1))  # no body follows: the header alone is refused
 
-        assert talk.reply() == {"ok": False, "error": "request too large"}
+        assert talk.reply() == {"ok": False, "kind": "too_large",
+                                "error": f"request of {MAX_REQUEST + 1} bytes is over the "
+                                         f"{MAX_REQUEST}-byte limit"}
     finally:
         talk.close()
+    assert request(socket_dir / "agent.sock", {"op": "ping"})["pid"] == proc.pid
 
 
 def test_stale_file_at_the_socket_path_is_replaced(start_agent, socket_dir: Path) -> None:
@@ -388,7 +403,8 @@ def test_start_with_a_malformed_proxy_config_is_refused_and_changes_nothing(
     engine = RecordingEngine()
     state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
 
-    assert state.handle({**START, "proxy": proxy}, JOB_UID) == {"ok": False, "error": error}
+    assert state.handle({**START, "proxy": proxy}, JOB_UID) == {"ok": False, "error": error,
+                                                                "kind": "refused"}
 
     assert engine.requests == [] and engine.trees == []
     assert state.proxies == {}
@@ -401,7 +417,8 @@ def test_start_with_a_placement_on_a_node_without_proxies_says_so(tmp_path: Path
 
     reply = state.handle({**START, "proxy": {"generation": "g1", "placement": {"0": "n9/gpu0"}}}, JOB_UID)
 
-    assert reply == {"ok": False, "error": "the placement gives no rank to n9's proxies (none)"}
+    assert reply == {"ok": False, "error": "the placement gives no rank to n9's proxies (none)",
+                     "kind": "refused"}
     assert engine.trees == []
 
 
@@ -468,7 +485,8 @@ def test_start_refused_by_a_proxy_names_it_and_starts_nothing(socket_dir: Path, 
 
     reply = state.handle({**START, "proxy": {"generation": "g1", "placement": {"1": "n9/gpu0"}}}, JOB_UID)
 
-    assert reply == {"ok": False, "error": "proxy n9/gpu0: placement must name ranks 0..N-1, got [1]"}
+    assert reply == {"ok": False, "error": "proxy n9/gpu0: placement must name ranks 0..N-1, got [1]",
+                     "kind": "refused"}
     assert engine.trees == []
     assert state.proxies == {}
 
@@ -494,12 +512,13 @@ def test_next_command_timeout_has_a_floor() -> None:
 
 def test_next_command_with_a_timeout_that_is_not_a_number_is_refused() -> None:
     assert AgentState(7, JOB_UID, "n9").handle({"op": "next_command", "timeout": "soon"}, JOB_UID) == {
-        "ok": False, "error": "next_command failed: could not convert string to float: 'soon'"}
+        "ok": False, "error": "next_command failed: could not convert string to float: 'soon'",
+        "kind": "failed"}
 
 
 def test_command_done_needs_a_result_object() -> None:
     assert AgentState(7, JOB_UID, "n9").handle({"op": "command_done", "result": "ok"}, JOB_UID) == {
-        "ok": False, "error": "command_done needs result: an object"}
+        "ok": False, "error": "command_done needs result: an object", "kind": "refused"}
 
 
 class Launcher:
@@ -548,7 +567,7 @@ def test_migrate_the_launcher_could_not_carry_out_is_an_error_with_its_reason() 
     with Launcher(state, {"ok": False, "error": "n2: no consistent cut"}):
         reply = state.handle({"op": "migrate"}, JOB_UID)
 
-    assert reply == {"ok": False, "error": "migrate failed: n2: no consistent cut"}
+    assert reply == {"ok": False, "error": "migrate failed: n2: no consistent cut", "kind": "failed"}
 
 
 def test_launcher_checkpoint_is_handed_to_the_polling_launcher() -> None:
@@ -569,7 +588,7 @@ NO_LAUNCHER = ("job 7 has no launcher waiting for requests on n9 (not a `singula
 def test_a_request_for_the_launcher_without_a_polling_launcher_is_refused(op: str) -> None:
     state = AgentState(7, JOB_UID, "n9")
 
-    assert state.handle({"op": op}, JOB_UID) == {"ok": False, "error": NO_LAUNCHER}
+    assert state.handle({"op": op}, JOB_UID) == {"ok": False, "error": NO_LAUNCHER, "kind": "unavailable"}
     assert state.commands.empty()
 
 
@@ -579,7 +598,7 @@ def test_migrate_with_a_bad_exclude_is_refused_before_the_launcher_sees_it(exclu
     state.launcher_polls_until = time.monotonic() + 60
 
     assert state.handle({"op": "migrate", "exclude": exclude}, JOB_UID) == {
-        "ok": False, "error": "migrate: exclude must be a list of node names"}
+        "ok": False, "error": "migrate: exclude must be a list of node names", "kind": "refused"}
     assert state.commands.empty()
 
 
@@ -604,7 +623,8 @@ def test_an_answer_to_no_request_is_refused_and_reaches_no_later_request() -> No
     forged = state.handle({"op": "command_done", "id": "x", "result": {"ok": True, "summary": {"seq": 9}}},
                           JOB_UID)
 
-    assert forged == {"ok": False, "error": "command_done: no request 'x' is being carried out"}
+    assert forged == {"ok": False, "error": "command_done: no request 'x' is being carried out",
+                      "kind": "conflict"}
     with Launcher(state, {"ok": True, "summary": {"seq": 4}}):
         assert state.handle({"op": "launcher_checkpoint"}, JOB_UID) == {"ok": True, "seq": 4}
 
@@ -625,7 +645,7 @@ def test_an_answer_naming_another_request_is_refused() -> None:
 
     assert wrong["ok"] is False and "no request" in wrong["error"]
     assert right == {"ok": True}
-    assert replies == [{"ok": False, "error": "checkpoint failed: no cut"}]
+    assert replies == [{"ok": False, "error": "checkpoint failed: no cut", "kind": "failed"}]
 
 
 def test_a_second_request_while_the_launcher_carries_one_out_is_refused() -> None:
@@ -640,7 +660,7 @@ def test_a_second_request_while_the_launcher_carries_one_out_is_refused() -> Non
     caller.join(timeout=15)
 
     assert second == {"ok": False, "error": "the job's launcher is carrying out another request "
-                                            "(checkpoint); try again when it is done"}
+                                            "(checkpoint); try again when it is done", "kind": "conflict"}
 
 
 @pytest.mark.parametrize("timeout", ["nan", "inf", "-inf"])
@@ -649,5 +669,6 @@ def test_a_poll_with_a_timeout_that_is_not_finite_is_refused(timeout: str) -> No
 
     reply = state.handle({"op": "next_command", "timeout": float(timeout)}, JOB_UID)
 
-    assert reply == {"ok": False, "error": "next_command: timeout must be a number of seconds"}
+    assert reply == {"ok": False, "error": "next_command: timeout must be a number of seconds",
+                     "kind": "refused"}
     assert state.launcher_polls_until == 0.0

@@ -40,6 +40,7 @@ from singularity_slurm.coordinator.commands import (
     operator_uids,
     parse_request,
     parse_unmunge,
+    pop_bounded,
     verify,
 )
 from singularity_slurm.coordinator.registry import connect
@@ -507,7 +508,8 @@ def test_a_user_signing_for_someone_elses_job_is_refused_and_nothing_happens(liv
     reply = send(live, munge=as_nobody)
 
     assert reply == {"ok": False, "error": f"refused: uid 65534 may not act on job {live.job}: only root, "
-                                           "the job's owner and the operators named in [admin] operators may"}
+                                           "the job's owner and the operators named in [admin] operators may",
+                     "kind": "forbidden"}
     assert state.requests == []
     assert f"refused an admin request from uid 65534: uid 65534 may not act on job {live.job}" in caplog.text
 
@@ -576,8 +578,8 @@ def test_a_request_dated_long_before_its_credential_is_answered_with_the_reason(
 def test_a_failing_op_becomes_an_error_reply_and_the_agent_serves_on(live, agent, caplog) -> None:
     state, _ = agent(fail=True)
 
-    assert send(live) == {"ok": False, "error": "checkpoint failed: disk on fire"}
-    assert send(live) == {"ok": False, "error": "checkpoint failed: disk on fire"}
+    assert send(live) == {"ok": False, "error": "checkpoint failed: disk on fire", "kind": "failed"}
+    assert send(live) == {"ok": False, "error": "checkpoint failed: disk on fire", "kind": "failed"}
     assert len(state.requests) == 2
 
 
@@ -622,7 +624,29 @@ def test_the_real_agent_state_carries_out_the_request_as_its_socket_op_would(liv
     thread = commands.start()
     try:
         assert send(live) == state.handle({"op": "checkpoint", "reason": "manual", "stop": False}, 0) == {
-            "ok": False, "error": "this agent has no checkpoint engine"}
+            "ok": False, "error": "this agent has no checkpoint engine", "kind": "unavailable"}
     finally:
         commands.stop()
         thread.join(timeout=5)
+
+
+def test_an_oversized_list_entry_is_dropped_inside_redis_unread_and_the_agent_serves_on(live, agent,
+                                                                                        caplog) -> None:
+    caplog.set_level(logging.INFO, logger="singularity.agent.commands")
+    state, _ = agent()
+    live.redis.rpush(keys.job_requests(live.job), "x" * (8 << 20))
+
+    assert send(live)["ok"] is True
+    assert len(state.requests) == 1
+    assert (f"request of {8 << 20} bytes is over the {MAX_ENVELOPE}-byte limit (dropped unread)"
+            in caplog.text)
+
+
+def test_pop_bounded_returns_the_entry_its_size_or_none(live) -> None:
+    key = keys.job_requests(live.job)
+    live.redis.rpush(key, "small", "y" * 100)
+
+    assert pop_bounded(live.redis, key, 50) == "small"
+    assert pop_bounded(live.redis, key, 50) == 100
+    assert pop_bounded(live.redis, key, 50) is None
+    assert live.redis.llen(key) == 0

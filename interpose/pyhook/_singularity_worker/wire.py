@@ -96,3 +96,36 @@ def _close_quietly(fd: int) -> None:
 def peer_uid(sock: socket.socket) -> int:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", raw)[1]
+
+
+# --- pieces for readers that check a frame's size before reading its body (`singularity_slurm.rpc`) ---
+
+HEADER_BYTES = _LENGTH.size
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's header announces more bytes than the reader accepts; nothing of the body was read."""
+
+    def __init__(self, length: int, limit: int):
+        self.length = length
+        self.limit = limit
+        super().__init__(f"frame length {length} exceeds {limit}")
+
+
+def frame_length(header: bytes, limit: int = MAX_FRAME) -> int:
+    """The body length a frame's header announces; FrameTooLarge past `limit`."""
+    (length,) = _LENGTH.unpack(header)
+    if length > limit:
+        raise FrameTooLarge(length, limit)
+    return length
+
+
+def decode(data: bytes) -> dict:
+    """A frame's body as the JSON object it must be."""
+    try:
+        message = json.loads(data)
+    except ValueError as exc:
+        raise ProtocolError(f"frame is not JSON: {exc}") from exc
+    if not isinstance(message, dict):
+        raise ProtocolError("frame is not a JSON object")
+    return message
