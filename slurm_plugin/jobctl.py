@@ -97,7 +97,16 @@ class JobControl:
     def _step(self, record: dict[str, str], op: str, args: dict[str, Any]) -> dict[str, Any]:
         """The owner's way: a job step on the batch host talks to the agent's socket."""
         argv = agent_call_argv(self.ctl, int(record["JobId"]), record["BatchHost"], op, args)
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired as exc:
+            job = record["JobId"]
+            raise JobControlError(f"job {job}: no answer from its node agent on {record['BatchHost']} within "
+                                  f"{exc.timeout:.0f}s; the request may still be carried out: check with "
+                                  f"`singularityctl status {job}`") from exc
+        except OSError as exc:
+            raise JobControlError(f"cannot start `srun` to reach job {record['JobId']}'s node agent: {exc}; "
+                                  "is Slurm's srun on PATH?") from exc
         return self._answer(record, parse_agent_reply(proc.stdout, proc.stderr))
 
     def _through_redis(self, record: dict[str, str], op: str, args: dict[str, Any]) -> dict[str, Any]:

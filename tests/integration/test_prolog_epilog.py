@@ -19,10 +19,15 @@ touch started
 while [ ! -e stop ]; do sleep 0.2; done
 """
 
-PING = (
-    "import json, sys; from singularity_slurm.node.agent import request; "
-    "print(json.dumps(request(sys.argv[1], {'op': 'ping'})))"
-)
+PING = """
+import json, sys
+from singularity_slurm import rpc
+try:
+    reply = rpc.call(sys.argv[1], {'op': 'ping'})
+except rpc.RemoteError as exc:
+    reply = rpc.error_reply(exc)
+print(json.dumps(reply))
+"""
 
 
 def _ping_as(user: str, socket_path) -> dict:
@@ -53,7 +58,7 @@ def test_prolog_starts_the_agent_and_records_the_node_and_epilog_cleans_up(
     reply = _ping_as(job_user.pw_name, run_dir / "agent.sock")
     assert reply == {"ok": True, "job_id": job_id, "node": node, "pid": agent_pid}
     stranger = _ping_as("nobody", run_dir / "agent.sock")
-    assert stranger["ok"] is False
+    assert stranger["ok"] is False and stranger["kind"] == "forbidden"
     assert "may not act on job" in stranger["error"]
 
     (jobs.workdir / "stop").touch()

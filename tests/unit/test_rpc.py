@@ -362,7 +362,6 @@ def test_after_reply_callbacks_run_once_the_caller_closed(serve) -> None:
 def test_peer_credentials_of_another_user_reach_allow() -> None:
     import subprocess
     import sys
-
     import tempfile
 
     seen: list[rpc.Peer] = []
