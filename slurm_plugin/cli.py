@@ -339,52 +339,12 @@ def install_node_cmd(config_path: Path | None, criu_path: Path | None) -> None:
     click.echo(f"criu wrapper: {wrapper} (runs {criu})")
 
 
-@main.group()
-def devcluster() -> None:
-    """A two-node Slurm cluster on this machine (Debian 12/13, root), for demos and tests."""
-
-
-@devcluster.command("up")
-def devcluster_up() -> None:
-    """Install and start munge, Slurm (slurmctld, slurmd n1 and n2 with 4 fake GPUs each), Redis
-    and CRIU, and configure the SLA tiers. Idempotent: running it again, or after a daemon died,
-    ends in the same healthy cluster."""
-    from singularity_slurm.devcluster import cluster
-
-    try:
-        cluster.up(say=lambda m: click.echo(f"devcluster: {m}"))
-    except (SingularityError, OSError) as exc:
-        _fail(exc)
-
-
-@devcluster.command("down")
-def devcluster_down() -> None:
-    """Stop exactly the daemons `up` started, found by their pid files."""
-    from singularity_slurm.devcluster import cluster
-
-    cluster.down(say=lambda m: click.echo(f"devcluster: {m}"))
-
-
-@devcluster.command("status")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def devcluster_status(as_json: bool) -> None:
-    """Show each daemon (pid or stopped), each node's state and each partition."""
-    from singularity_slurm.devcluster import cluster
-
-    result = cluster.status()
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
-        for name, info in result["daemons"].items():
-            state = f"running (pid {info['pid']})" if info["running"] else "stopped"
-            click.echo(f"{name:<12} {state}")
-        for name, node in result["nodes"].items():
-            click.echo(f"node {name:<7} {node['state']}  {node['gres']}"
-                       + (f"  reason: {node['reason']}" if node.get("reason") else ""))
-        for name, part in result["partitions"].items():
-            click.echo(f"partition {name:<9} PriorityTier={part['priority_tier']} "
-                       f"PreemptMode={part['preempt_mode']} GraceTime={part['grace_time']}")
-        if "error" in result:
-            click.echo(f"error: {result['error']}")
-    all_up = all(d["running"] for d in result["daemons"].values())
-    sys.exit(0 if all_up else 3)
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def devcluster(args: tuple[str, ...]) -> None:
+    """A two-node Slurm cluster on this machine (Debian 12/13, root), for demos and tests:
+    `devcluster up|down|status` (`devcluster --help` says more)."""
+    # The dev cluster builds on the command line's pieces (policy installation), not the reverse: it
+    # is its own program, which this command runs in its place.
+    os.execv(sys.executable, [sys.executable, "-m", "singularity_slurm.devcluster", *args])
