@@ -1,9 +1,10 @@
 """The node agent: one per job per node, started by Prolog as root, stopped by Epilog.
 
-It listens on a unix socket in the job's node-local folder and answers JSON requests, one per line.
-Callers are identified by SO_PEERCRED: only root and the job's own user are served. The job is the
-agent's own (from the Prolog's command line): a request naming another (`job_id`, or a start whose
-environment names another job) is refused. On the job's
+It listens on a unix socket in the job's node-local folder and answers requests (`rpc`: framed JSON,
+size-checked, at most MAX_CONNECTIONS connections at once, idle ones closed). Callers are identified
+by SO_PEERCRED: only root and the job's own user are served. The job is the agent's own (from the
+Prolog's command line): a request naming another (`job_id`, or a start whose environment names
+another job) is refused. On the job's
 batch host a thread also takes root's and operators' `checkpoint` and `migrate` requests through
 Redis, authenticated by munge (`coordinator.commands`), since Slurm lets nobody else start steps in a
 user's job. The agent owns the job's process tree on this node: it starts it (as the job's user, in
