@@ -3,7 +3,7 @@
 It serves the job's ranks placed on its device. A rank connects to the abstract socket named after
 it (`wire.rank_address`); the proxy checks it is the job's user, hands it a shared-memory region, and
 runs its operations: collectives with the job's other proxies over the mesh, in a fixed rank order.
-The node agent drives it through a root-only control socket (`rpc` frames, `serve_control`):
+The node agent drives it through a root-only control socket:
 
   configure {generation, placement}   serve a rendezvous generation (placement: rank -> proxy id)
   quiesce {timeout}                   reach the job-wide cut (see `barrier`); answers once every
