@@ -522,19 +522,23 @@ def serve(socket_path: Path, state: AgentState, limits: rpc.Limits | None = None
                                                                         call.after_reply),
                         name=f"the node agent of job {state.job_id}", mode=0o666, allow=allow,
                         limits=limits or rpc.Limits(max_connections=MAX_CONNECTIONS))
-    stop = threading.Event()
-
-    def shutdown(signum, frame):
-        stop.set()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
+    # The kernel may deliver SIGTERM to any thread, which would not wake a main thread blocked on a
+    # lock; the wakeup fd is written by whichever thread gets it, and the main thread reads it.
+    wake_r, wake_w = socket.socketpair()
+    wake_w.setblocking(False)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: None)
+    previous = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     server.start()  # the socket appears only once it is listening
     print(f"node agent for job {state.job_id} on {state.node} listening on {socket_path}",
           flush=True)
     try:
-        stop.wait()
+        while wake_r.recv(1)[0] not in (signal.SIGTERM, signal.SIGINT):
+            pass
     finally:
+        signal.set_wakeup_fd(previous)
+        wake_r.close()
+        wake_w.close()
         state.shutdown()
         server.close()
         print(f"node agent for job {state.job_id} on {state.node} stopped", flush=True)

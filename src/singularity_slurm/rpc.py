@@ -480,15 +480,13 @@ class Server:
         except (OSError, EOFError, wire.ProtocolError):
             pass
         finally:
-            try:
-                sock.close()
-            finally:
-                self._release()
-                for callback in call_.after_reply:  # the caller closed its end: it has every answer
-                    try:
-                        callback()
-                    except Exception:
-                        LOG.exception("%s: a callback after a reply failed", self.name)
+            self._release()  # first: a peer that sees the close finds the slot free
+            sock.close()
+            for callback in call_.after_reply:  # the caller closed its end: it has every answer
+                try:
+                    callback()
+                except Exception:
+                    LOG.exception("%s: a callback after a reply failed", self.name)
 
     def _reply(self, sock: socket.socket, reply: dict) -> bool:
         try:

@@ -179,12 +179,13 @@ class Conversation:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect(str(path))
+        self.reader = wire.Reader(self.sock)
 
     def send(self, raw: bytes) -> None:
         self.sock.sendall(raw)
 
     def reply(self) -> dict:
-        return wire.Reader(self.sock).recv()[0]
+        return self.reader.recv()[0]
 
     def close(self) -> None:
         self.sock.close()

@@ -309,7 +309,10 @@ def test_the_thread_count_stays_within_the_cap(serve) -> None:
     socks = [connect(path) for _ in range(40)]
     try:
         for sock in socks:
-            sock.sendall(wire.encode({"op": "hold", "seconds": 0.5}))
+            try:
+                sock.sendall(wire.encode({"op": "hold", "seconds": 0.5}))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # answered busy and closed already
         time.sleep(0.2)
         assert threading.active_count() - before <= 4
     finally:
