@@ -1,0 +1,93 @@
+"""The launcher decides on the agent's error kinds, never on its messages' words."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from singularity_slurm import rpc
+from singularity_slurm.config import parse
+from singularity_slurm.errors import NoCheckpoint
+from singularity_slurm.slurm_plugin.launcher import Launcher, LaunchError
+
+JOB, NODE = 31, "n4"
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Callable[[rpc.Handler, rpc.Limits | None], Launcher]]:
+    servers: list[rpc.Server] = []
+
+    def start(handler: rpc.Handler, limits: rpc.Limits | None = None) -> Launcher:
+        config = parse({"paths": {"state_dir": str(tmp_path)}})
+        run_dir = tmp_path / NODE / str(JOB)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        servers.append(rpc.Server(run_dir / "agent.sock", handler, name="the node agent",
+                                  limits=limits).start())
+        said: list[str] = []
+        env = {"SLURM_JOB_ID": str(JOB), "SLURMD_NODENAME": NODE, "SLURM_RESTART_COUNT": "1"}
+        launcher = Launcher(config, env, say=said.append)
+        launcher.said = said  # type: ignore[attr-defined]
+        return launcher
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def refuse(exc: Exception) -> rpc.Handler:
+    def handler(request: dict, call: rpc.Call) -> dict:
+        raise exc
+    return handler
+
+
+def test_a_restore_answered_no_checkpoint_starts_from_the_beginning(agent) -> None:
+    def no_checkpoint(request: dict, call: rpc.Call) -> dict:
+        try:
+            raise NoCheckpoint("nothing committed")
+        except NoCheckpoint as exc:  # as the engine does: its own words, the store's error as cause
+            raise rpc.RequestError(f"job {JOB} has nothing to restore: {exc}") from exc
+
+    launcher = agent(no_checkpoint)
+
+    assert launcher.restore() is False
+    assert launcher.said[-1].endswith("no committed checkpoint: starting from the beginning")
+
+
+def test_a_restore_refused_otherwise_is_an_error_even_if_its_words_mention_no_checkpoint(agent) -> None:
+    launcher = agent(refuse(rpc.Failed("criu failed: no committed checkpoint was harmed")))
+
+    with pytest.raises(LaunchError) as caught:
+        launcher.restore()
+    assert caught.value.kind == "failed"
+
+
+def test_a_missing_agent_is_an_unreachable_launch_error(agent, tmp_path: Path) -> None:
+    launcher = agent(refuse(rpc.Failed("x")))
+    launcher.socket = tmp_path / "absent.sock"
+
+    with pytest.raises(LaunchError) as caught:
+        launcher.agent({"op": "status"})
+    assert caught.value.kind == "unreachable"
+    assert "is the Prolog configured" in str(caught.value)
+
+
+def test_a_busy_agent_is_retried_until_a_slot_frees(agent) -> None:
+    release, holding = threading.Event(), threading.Event()
+
+    def hold(request: dict, call: rpc.Call) -> dict:
+        if request["op"] == "wait":
+            holding.set()
+            release.wait(10)
+        return {"ok": True, "op": request["op"]}
+
+    launcher = agent(hold, rpc.Limits(max_connections=1, root_reserve=0))
+    waiter = threading.Thread(target=launcher.agent, args=({"op": "wait"},))
+    waiter.start()
+    assert holding.wait(10)  # the one slot is taken
+    threading.Timer(0.5, release.set).start()
+
+    assert launcher.agent({"op": "status"})["op"] == "status"
+    waiter.join(10)
