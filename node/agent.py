@@ -151,8 +151,8 @@ class AgentState:
         op = request.get("op")
         named = request.get("job_id", self.job_id)
         if named != self.job_id:
-            return {"ok": False, "error": f"this agent serves job {self.job_id}, not job {named!r}: send "
-                                          "the request to that job's agent"}
+            return rpc.error_reply(rpc.Forbidden(f"this agent serves job {self.job_id}, not job {named!r}: "
+                                                 "send the request to that job's agent"))
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
         if handler is None:
             valid = ", ".join(sorted(n[3:] for n in dir(self) if n.startswith("op_")))

@@ -141,20 +141,15 @@ def other_jobs(cluster) -> Iterator[Jobs]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-FORGE = """import json, socket, sys
+FORGE = """import json, sys
 sock_path, other = sys.argv[1], sys.argv[2]
 
 def ask(request):
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(sock_path)
-        s.sendall(json.dumps(request).encode() + b"\\n")
-        reply = b""
-        while not reply.endswith(b"\\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    return json.loads(reply)
+    from singularity_slurm import rpc
+    try:
+        return rpc.call(sock_path, request, timeout=30)
+    except rpc.RpcError as exc:
+        return rpc.error_reply(exc)
 
 env = {"PATH": "/usr/bin:/bin", "SINGULARITY_JOB_ID": other, "SLURM_JOB_ID": other}
 print("forged start:", json.dumps(ask({"op": "start", "argv": ["/bin/true"], "cwd": "/tmp",

@@ -1,9 +1,10 @@
 """Attacks on a running job's node agent socket, by real unprivileged users against the real agent.
 
-Another user (`jobuser2`) may connect (the socket is open to all; SO_PEERCRED decides) but every op is
-refused with a typed error and the job runs on untouched. The job's own user cannot make the agent
-read or allocate an oversized request, nor take its threads with held connections: root is still
-served, the launcher is served within the connection cap, and the job finishes.
+Another user (the dev cluster's second job user) may connect (the socket is open to all; SO_PEERCRED
+decides) but every op is refused with a typed error and the job runs on untouched. The job's own user
+cannot make the agent read or allocate an oversized request, nor take its threads with held
+connections: root is still served, the launcher is served within the connection cap, and the job
+finishes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from conftest import CTL, run_as
 
 from singularity_slurm import rpc
@@ -22,7 +22,6 @@ from singularity_slurm.node import services
 from singularity_slurm.node.agent import MAX_CONNECTIONS
 
 PYTHON = str(Path(CTL).with_name("python"))
-OTHER_USER = "jobuser2"
 
 LOOP = f"""#!/bin/bash
 #SBATCH --singularity-sla=standard
@@ -137,7 +136,8 @@ def _proc_status(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
-def test_another_user_is_refused_every_op_with_a_typed_error_and_the_job_is_untouched(jobs, config):
+def test_another_user_is_refused_every_op_with_a_typed_error_and_the_job_is_untouched(jobs, config,
+                                                                                       other_user):
     job_id, sock, agent_pid = _start(jobs, config)
     status_before = rpc.call(sock, {"op": "status"})
     ops = [{"op": "status"}, {"op": "checkpoint", "reason": "manual", "stop": True}, {"op": "kill"},
@@ -145,11 +145,11 @@ def test_another_user_is_refused_every_op_with_a_typed_error_and_the_job_is_unto
             "output": "/tmp/owned.out", "env": {}},
            {"op": "requeue"}, {"op": "run_begin", "command": ["x"]}]
 
-    proc = run_as(OTHER_USER, [PYTHON, "-c", TRY_OPS, str(sock), json.dumps(ops)])
+    proc = run_as(other_user.pw_name, [PYTHON, "-c", TRY_OPS, str(sock), json.dumps(ops)])
 
     assert proc.returncode == 0, proc.stderr
     outcome = json.loads(proc.stdout)
-    uid = int(subprocess.run(["id", "-u", OTHER_USER], capture_output=True, text=True).stdout)
+    uid = other_user.pw_uid
     for op in ops:
         name, kind, message = outcome[op["op"]]
         assert (name, kind) == ("Forbidden", "forbidden"), outcome
@@ -227,8 +227,3 @@ def test_200_held_connections_leave_root_served_the_launcher_within_the_cap_and_
     log = (jobs.workdir / "out.txt").read_text()
     assert "Traceback" not in log, log
 
-
-@pytest.fixture(autouse=True)
-def _other_user_exists() -> None:
-    if subprocess.run(["id", "-u", OTHER_USER], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", OTHER_USER], check=True)

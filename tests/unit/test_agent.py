@@ -73,7 +73,7 @@ def test_a_request_naming_another_job_is_refused_before_the_op_runs(named: objec
 
     assert state.handle({"op": "kill", "job_id": named}, JOB_UID) == {
         "ok": False, "error": f"this agent serves job 7, not job {named!r}: send the request to that "
-                              "job's agent",
+                              "job's agent", "kind": "forbidden",
     }
     assert state.state == "none"
 

@@ -143,10 +143,13 @@ def test_no_modules_import_each_other() -> None:
     assert cycles(edges) == []
 
 
-def test_the_rpc_layer_and_the_slurm_client_sit_below_everything_but_errors_and_the_wire() -> None:
+def test_the_rpc_layer_and_the_slurm_client_sit_below_every_daemon_and_the_command_line() -> None:
+    above = {*ROOT_DAEMONS, "slurm_plugin", "devcluster"}
     g = graph()
-    assert {part(t) for t in g[f"{PACKAGE}.rpc"]} <= {"errors", "interpose"}
-    assert {part(t) for t in g[f"{PACKAGE}.slurmcli"]} <= {"errors"}
+    assert {part(t) for t in g[f"{PACKAGE}.rpc"]} & above == set()
+    assert {part(t) for t in g[f"{PACKAGE}.slurmcli"]} & above == set()
+    assert {t for t in g[f"{PACKAGE}.rpc"] if part(t) == "interpose"} <= {
+        f"{PACKAGE}.interpose.pyhook._singularity_worker.wire"}
 
 
 def test_cycles_finds_a_cycle() -> None:
