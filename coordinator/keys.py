@@ -31,13 +31,14 @@ def job_id(value: int | str) -> int:
     """`value` as a job id (a positive integer, or its decimal digits), or InvalidKeyPart."""
     if isinstance(value, bool):
         raise InvalidKeyPart(f"job id must be a positive integer, got {value!r}")
+    number = value
     if isinstance(value, str):
         if not value.isascii() or not value.isdigit() or len(value) > 19:
             raise InvalidKeyPart(f"job id must be a positive integer, got {value!r}")
-        value = int(value)
-    if not isinstance(value, int) or not 0 < value <= MAX_JOB_ID:
+        number = int(value)
+    if not isinstance(number, int) or not 0 < number <= MAX_JOB_ID:
         raise InvalidKeyPart(f"job id must be a positive integer, got {value!r}")
-    return value
+    return number
 
 
 def node_name(value: str) -> str:
