@@ -208,8 +208,8 @@ class Mesh:
                 sock.close()
                 if time.monotonic() > deadline:
                     raise MeshError(f"proxy {peer} at {host}:{port} did not authenticate: {exc}") from exc
-                LOG.warning("proxy %s: handshake with %s at %s:%s failed (%s); retrying", self.me, peer,
-                            host, port, exc)
+                LOG.info("proxy %s: handshake with %s at %s:%s failed (%s); retrying", self.me, peer,
+                         host, port, exc)
                 time.sleep(0.1)
 
     def _dial_handshake(self, sock: socket.socket, peer: str) -> None:
