@@ -229,6 +229,8 @@ def test_garbage_and_strangers_on_the_proxy_mesh_ports_do_not_disturb_a_job(jobs
     for port in map(str, ports):
         assert report[port]["garbage"] and report[port]["huge"] and report[port]["hello"], report
         assert report[port]["slowloris"] and report[port]["flood_closed"] == 100, report
+    for log in run_dir.glob("proxy-*.log"):  # every proxy saw the strangers, and said so
+        assert "dropped mesh connection from ('127.0.0.1'" in log.read_text(), log
     record = jobs.wait_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=300)
     text = (jobs.workdir / "job.out").read_text()
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "0", text
