@@ -48,7 +48,15 @@ BACKEND_NAME = {GLOO: "gloo", PROXY: "singularity"}  # what dist.get_backend() s
 TARGET = 1.03  # the design target for proxy / gloo step time
 POLL_S = 0.005
 STOP_WAIT_S = 10.0
-HOOK_VARS = ("SINGULARITY_PROXY", "SINGULARITY_JOB_ID", "PYTHONPATH")
+HOOK_VARS = ("SINGULARITY_PROXY", "SINGULARITY_JOB_ID", "SINGULARITY_RANK_DIR", "PYTHONPATH")
+
+
+def rank_socket_dir() -> str:
+    """Where the proxies (run with the configuration's paths.state_dir) put their rank sockets."""
+    from singularity_slurm.config import load
+    from singularity_slurm.proxy.ranksock import rank_dir
+
+    return str(rank_dir(load().paths.state_dir))
 
 
 class BenchmarkError(Exception):
@@ -273,11 +281,12 @@ class Runner:
         try:
             envs = [self.base_env(r) for r in range(self.s.world_size)]
             if mode == PROXY:
-                job_id = random.randint(10**8, 10**9)  # a fresh abstract socket name per run
+                job_id = random.randint(10**8, 10**9)  # a fresh rank socket folder per run
                 proxies = self.start_proxies(folder, job_id)
                 for env in envs:
                     env.update(SINGULARITY_PROXY="1", PYTHONPATH=str(hook_dir()),
-                               SINGULARITY_JOB_ID=str(job_id), MASTER_PORT="1")
+                               SINGULARITY_JOB_ID=str(job_id), MASTER_PORT="1",
+                               SINGULARITY_RANK_DIR=rank_socket_dir())
             else:
                 port = str(free_port())
                 for env in envs:

@@ -13,6 +13,7 @@ from singularity_slurm.errors import RegistryError, SingularityError
 from singularity_slurm.jobenv import JobContext, job_run_dir
 from singularity_slurm.node import localfiles, services
 from singularity_slurm.nodelog import node_logger
+from singularity_slurm.proxy import ranksock
 
 
 def run(env: dict[str, str]) -> int:
@@ -36,6 +37,7 @@ def run(env: dict[str, str]) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
         log.info("stopped services %s, removed %s", stopped or "none", run_dir)
     shutil.rmtree(localfiles.log_path(config.paths.state_dir, job.job_id).parent, ignore_errors=True)
+    ranksock.remove_job_folder(config.paths.state_dir, job.job_id)  # what a proxy that died left
     try:
         Registry(connect(config.redis)).record_node_end(job.job_id, job.node, time.time())
     except (RegistryError, OSError) as exc:

@@ -110,8 +110,9 @@ class AgentState:
     """What the agent knows and does; `handle` is the whole protocol."""
 
     def __init__(self, job_id: int, job_uid: int, node: str, engine: Any = None,
-                 run_dir: Path | None = None, cut_timeout: float = 60.0):
+                 run_dir: Path | None = None, cut_timeout: float = 60.0, rank_dir: str | None = None):
         self.job_id = job_id
+        self.rank_dir = rank_dir  # where the proxies' rank sockets are: the ranks' SINGULARITY_RANK_DIR
         self.job_uid = job_uid
         self.node = node
         self.engine = engine  # CheckpointEngine; None in tests of the protocol alone
@@ -186,8 +187,10 @@ class AgentState:
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
         ranks = self._configure_proxies(request.get("proxy"))
         if ranks is not None:
-            request = {**request, "env": {**(request.get("env") or {}),
-                                          "SINGULARITY_LOCAL_RANKS": ",".join(map(str, ranks))}}
+            extra = {"SINGULARITY_LOCAL_RANKS": ",".join(map(str, ranks))}
+            if self.rank_dir is not None:
+                extra["SINGULARITY_RANK_DIR"] = self.rank_dir
+            request = {**request, "env": {**(request.get("env") or {}), **extra}}
         spec = engine.tree_spec(request, self.job_uid, self.job_id)
         self.run_key = _run_key(request)
         with self.lock:
@@ -246,6 +249,14 @@ class AgentState:
         if not isinstance(placement, dict) or not all(
                 isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in placement.items()):
             raise RequestError("proxy.placement must map rank numbers to proxy ids")
+        from singularity_slurm.coordinator import keys
+
+        try:
+            keys.generation(config["generation"])
+            for proxy in placement.values():
+                keys.proxy_id(proxy)
+        except keys.InvalidKeyPart as exc:
+            raise RequestError(f"proxy: {exc}") from None
         local = self.local_proxies()
         used = {proxy for proxy in placement.values() if proxy in local}
         ranks = sorted(int(r) for r, proxy in placement.items() if proxy in local)
@@ -564,13 +575,17 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s")
     engine = None
     cut_timeout = 60.0
+    rank_dir = None
     if not args.no_engine:
+        from singularity_slurm.proxy.ranksock import rank_dir as rank_socket_dir
+
         from .engine import CheckpointEngine
 
         engine = CheckpointEngine.from_config(args.node, args.socket.parent)
         cut_timeout = float(engine.config.proxy.cut_timeout)
+        rank_dir = str(rank_socket_dir(engine.config.paths.state_dir))
     state = AgentState(args.job_id, args.uid, args.node, engine, run_dir=args.socket.parent,
-                       cut_timeout=cut_timeout)
+                       cut_timeout=cut_timeout, rank_dir=rank_dir)
     commands = admin_commands(state, engine.config, engine.slurm) if engine is not None else None
     if commands is not None:
         commands.start()

@@ -1,8 +1,9 @@
 """The device proxy daemon: `singularity-proxy`, one per allocated device, started by the Prolog.
 
-It serves the job's ranks placed on its device. A rank connects to the abstract socket named after
-it (`wire.rank_address`); the proxy checks it is the job's user, hands it a shared-memory region, and
-runs its operations: collectives with the job's other proxies over the mesh, in a fixed rank order.
+It serves the job's ranks placed on its device. A rank connects to the unix socket named after it
+(`wire.rank_address`, in a folder only root creates in: `ranksock`); the proxy checks it is the job's
+user, hands it a shared-memory region of at most `proxy.max_region_mib`, and runs its operations:
+collectives with the job's other proxies over the mesh, in a fixed rank order.
 The node agent drives it through a root-only control socket:
 
   configure {generation, placement}   serve a rendezvous generation (placement: rank -> proxy id)
@@ -33,12 +34,14 @@ from typing import Any
 import numpy as np
 
 from singularity_slurm import rpc
+from singularity_slurm.config import ProxyConfig
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 
 from . import barrier, collectives
 from .barrier import Gate, Phase
 from .hal import BackendError, DeviceBackend, Region, backend, dtype_of
 from .mesh import Mesh, MeshError
+from .ranksock import RankSockets
 from .rendezvous import Rendezvous, RendezvousError
 
 LOG = logging.getLogger("singularity.proxy")
@@ -96,7 +99,8 @@ class ProxyError(Exception):
 
 class Proxy:
     def __init__(self, job_id: int, job_uid: int, proxy_id: str, device: DeviceBackend,
-                 rendezvous_factory, bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1"):
+                 rendezvous_factory, *, state_dir: Path, limits: ProxyConfig | None = None,
+                 bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1"):
         self.job_id = job_id
         self.job_uid = job_uid
         self.id = proxy_id
@@ -113,7 +117,10 @@ class Proxy:
         self.mesh: Mesh | None = None
         self.mesh_error: str | None = None
         self.ready = False
+        self.limits = limits or ProxyConfig()
+        self.rank_sockets = RankSockets(state_dir, job_id, job_uid)
         self.listeners: dict[int, socket.socket] = {}
+        self.connections: dict[int, int] = defaultdict(int)  # rank -> connections being served
         self.sessions: dict[int, Session] = {}
         self.states: dict[int, RankState] = {}
         self.issued: dict[int, dict[str, int]] = {}
@@ -162,7 +169,8 @@ class Proxy:
             generation, proxies = self.generation, list(self.proxies)
         mesh: Mesh | None = None
         try:
-            mesh = Mesh(self.id, str(generation), "", self.bind_host, self._on_control, self._on_lost)
+            mesh = Mesh(self.id, str(generation), "", self.bind_host, self._on_control, self._on_lost,
+                        max_payload=self.max_mesh_payload())
             rendezvous: Rendezvous = self.rendezvous_factory()
             mesh.token = rendezvous.publish(str(generation), self.id, self.advertise_host, mesh.port)
             addresses = rendezvous.wait(str(generation), proxies, timeout=300)
@@ -171,7 +179,7 @@ class Proxy:
                     raise MeshError(f"generation {generation} was replaced by {self.generation}")
                 self.mesh = mesh
             mesh.connect(addresses, timeout=300)
-        except (OSError, MeshError, RendezvousError) as exc:
+        except (OSError, MeshError, RendezvousError, ValueError) as exc:
             with self.cond:
                 current = self.generation == generation
                 if current:
@@ -189,20 +197,14 @@ class Proxy:
             self.cond.notify_all()
         self.log("mesh ready with %s", [p for p in proxies if p != self.id])
 
+    def max_mesh_payload(self) -> int:
+        """The largest frame payload a peer proxy may send: every rank's region at most, plus
+        alltoall's counts. A frame carries pieces of one proxy's members' regions."""
+        ranks = max(1, len(self.placement))
+        return self.limits.max_region_bytes * ranks + 8 * ranks * ranks + 65536
+
     def _listen(self, rank: int) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                sock.bind(wire.rank_address(self.job_id, rank))
-                break
-            except OSError:
-                # The proxy of an earlier generation on this network namespace has not let go yet.
-                if time.monotonic() > deadline:
-                    sock.close()
-                    raise
-                time.sleep(0.05)
-        sock.listen(4)
+        sock = self.rank_sockets.listen(rank, backlog=self.limits.max_rank_connections)
         with self.cond:
             self.listeners[rank] = sock
         threading.Thread(target=self._accept, args=(rank, sock), daemon=True).start()
@@ -210,6 +212,7 @@ class Proxy:
     def _unlisten(self, rank: int) -> None:
         sock = self.listeners.pop(rank, None)
         if sock is not None:
+            self.rank_sockets.unlink(rank)
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -242,9 +245,34 @@ class Proxy:
                 self.log("refused a connection for rank %s from uid %s", rank, uid)
                 sock.close()
                 continue
+            with self.cond:
+                busy = self.connections[rank] >= self.limits.max_rank_connections
+                if not busy:
+                    self.connections[rank] += 1
+            if busy:
+                self.log("refused a connection for rank %s: it has %s already (proxy.max_rank_connections)",
+                         rank, self.limits.max_rank_connections)
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(rank, sock), daemon=True).start()
 
+    def _map(self, message: dict) -> Region:
+        nbytes = int(message["bytes"])
+        limit = self.limits.max_region_bytes
+        if not 0 <= nbytes <= limit:
+            raise ProxyError(f"a shared region of {nbytes} bytes is not between 0 and the {limit} bytes "
+                             f"the admin allows (proxy.max_region_mib = {self.limits.max_region_mib}): "
+                             "move less data per collective call")
+        return self.device.region(nbytes)
+
     def _serve(self, rank: int, sock: socket.socket) -> None:
+        try:
+            self._serve_session(rank, sock)
+        finally:
+            with self.cond:
+                self.connections[rank] -= 1
+
+    def _serve_session(self, rank: int, sock: socket.socket) -> None:
         session = Session(rank, sock, wire.Reader(sock))
         parked = False
         try:
@@ -258,7 +286,7 @@ class Proxy:
                         self._hello(session, message)
                         wire.send(sock, {"ok": True, "generation": self.generation, "proxy": self.id})
                     elif op == "map":
-                        region = self.device.region(int(message["bytes"]))
+                        region = self._map(message)
                         old, session.region = session.region, region
                         wire.send(sock, {"ok": True, "bytes": region.size}, [region.fd])
                         os.close(region.fd)
@@ -631,6 +659,7 @@ class Proxy:
         """Stop serving (the job ends): peers that go away from now on are not a failure."""
         self.stopping = True
         self._teardown()
+        self.rank_sockets.close()
 
     def _on_lost(self, peer: str, why: str) -> None:
         if self.stopping:
@@ -747,24 +776,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="find peers through this folder instead of the coordinator (one machine)")
     parser.add_argument("--advertise", default=None,
                         help="address other nodes' proxies reach this one at (default: this host's)")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="folder whose ranks/ sub-folder holds the rank sockets (default: the "
+                             "configuration's paths.state_dir)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(message)s")
 
+    from singularity_slurm.config import load
+
     from .rendezvous import FileRendezvous, RedisRendezvous
 
+    config = load()
     advertise = args.advertise or _host_address()
     if args.rendezvous_dir is not None:
         def rendezvous():
             return FileRendezvous(str(args.rendezvous_dir / str(args.job_id)))
     else:
-        from singularity_slurm.config import load
         from singularity_slurm.coordinator.registry import connect
-
-        config = load()
 
         def rendezvous():
             return RedisRendezvous(connect(config.redis), args.job_id)
-    proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous, advertise_host=advertise)
+    proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous,
+                  state_dir=args.state_dir or config.paths.state_dir, limits=config.proxy,
+                  advertise_host=advertise)
     server = serve_control(proxy, args.socket)
     stop = threading.Event()
 

@@ -4,30 +4,106 @@ Every frame is a header (JSON) and a payload (bytes). Data frames carry a tag an
 keyed by (tag, sender) until the collective that needs them takes them, so operations of different
 channels may interleave freely. Control frames (the barrier's) go to a callback. A lost peer is fatal
 to the job's collectives: `on_lost` is called once and every waiter is woken.
+
+Anyone on the network can connect to a proxy's port, so a connection is a peer only once it proved,
+before anything else is read from it, that it knows the generation's token (challenge-response, see
+`handshake`): the token itself never crosses the wire, and a recorded handshake is useless on another
+connection. Until then it may send only a few fixed-size bytes within `HANDSHAKE_S`; handshakes run
+concurrently, at most `MAX_PENDING` at once (the oldest is dropped for a new one), so garbage, slow or
+unauthenticated connections are logged and dropped without delaying the real peers. Authenticated
+frames are bounded too (`MAX_HEADER`, and the payload limit the proxy derives from its region size).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import logging
+import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+LOG = logging.getLogger("singularity.proxy.mesh")
+
 _HEAD = struct.Struct("!IQ")
+MAX_HEADER = 4 << 20
+"""Bytes of one frame's JSON header (a barrier report names every channel of the job: kilobytes)."""
+DEFAULT_MAX_PAYLOAD = 1 << 30
+HANDSHAKE_S = 5.0
+"""Seconds a connection has to complete its handshake."""
+MAX_PENDING = 64
+"""Handshakes in progress at once; a new connection beyond that drops the oldest one."""
+
+MAGIC = b"SGMESH01"
+NONCE = 32
+MAC = 32
+MAX_ID = 160
+_CHALLENGE = len(MAGIC) + NONCE
 
 
 class MeshError(Exception):
     """The mesh cannot be built or has lost a peer."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+class HandshakeError(MeshError):
+    """A connection did not prove it is a proxy of this job's generation: it is dropped."""
+
+
+# --- the handshake (pure) -------------------------------------------------------------------------
+
+
+def handshake_mac(token: str, role: bytes, generation: str, acceptor: str, dialer: str,
+                  acceptor_nonce: bytes, dialer_nonce: bytes) -> bytes:
+    """HMAC-SHA256 keyed with the generation's token over everything the handshake establishes.
+
+    `role` (b"dial" or b"accept") keeps one side's answer from being reflected as the other's; the
+    generation and both ids bind it to this pair of proxies of this generation, the two nonces to this
+    connection.
+    """
+    fields = [role, generation.encode(), acceptor.encode(), dialer.encode(), acceptor_nonce, dialer_nonce]
+    message = b"".join(struct.pack("!I", len(f)) + f for f in fields)
+    return hmac.new(token.encode(), message, hashlib.sha256).digest()
+
+
+def challenge(nonce: bytes) -> bytes:
+    """The acceptor's first bytes: the magic and its nonce."""
+    return MAGIC + nonce
+
+
+def parse_challenge(data: bytes) -> bytes:
+    if len(data) != _CHALLENGE or not data.startswith(MAGIC):
+        raise HandshakeError("the listener did not answer as a proxy mesh")
+    return data[len(MAGIC):]
+
+
+def dial_message(token: str, generation: str, acceptor: str, dialer: str, acceptor_nonce: bytes,
+                 dialer_nonce: bytes) -> bytes:
+    """The dialer's answer: its nonce, its id (length-prefixed) and its MAC."""
+    ident = dialer.encode()
+    if not 0 < len(ident) <= MAX_ID:
+        raise HandshakeError(f"proxy id {dialer!r} is longer than {MAX_ID} bytes")
+    mac = handshake_mac(token, b"dial", generation, acceptor, dialer, acceptor_nonce, dialer_nonce)
+    return dialer_nonce + bytes([len(ident)]) + ident + mac
+
+
+# --- frames ---------------------------------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """`n` bytes; with a deadline, a peer that takes longer in total (not per read) is cut off."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("handshake deadline passed")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise EOFError("peer closed the connection")
@@ -35,15 +111,45 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+class _DropLog:
+    """Log dropped connections, at most `burst` lines per minute (a flood must not fill the log)."""
+
+    def __init__(self, burst: int = 20):
+        self.burst = burst
+        self.window = 0.0
+        self.logged = 0
+        self.suppressed = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, me: str, address: object, why: str) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if now - self.window > 60:
+                if self.suppressed:
+                    LOG.warning("proxy %s: %d more mesh connections dropped in the last minute",
+                                me, self.suppressed)
+                self.window, self.logged, self.suppressed = now, 0, 0
+            if self.logged >= self.burst:
+                self.suppressed += 1
+                return
+            self.logged += 1
+        LOG.warning("proxy %s: dropped mesh connection from %s: %s", me, address, why)
+
+
 class Mesh:
     def __init__(self, me: str, generation: str, token: str, bind_host: str = "0.0.0.0",
                  on_control: Callable[[str, dict], None] | None = None,
-                 on_lost: Callable[[str, str], None] | None = None):
+                 on_lost: Callable[[str, str], None] | None = None,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, handshake_s: float = HANDSHAKE_S,
+                 max_pending: int = MAX_PENDING):
         self.me = me
         self.generation = generation
         self.token = token
         self.on_control = on_control or (lambda peer, message: None)
         self.on_lost = on_lost or (lambda peer, why: None)
+        self.max_payload = max_payload
+        self.handshake_s = handshake_s
+        self.max_pending = max_pending
         self.listener = socket.create_server((bind_host, 0))
         self.port = self.listener.getsockname()[1]
         self.peers: dict[str, socket.socket] = {}
@@ -53,30 +159,24 @@ class Mesh:
         self.lost: str | None = None
         self.closed = False
         self.bytes_sent = 0
+        self.expected: set[str] = set()  # peers that dial us and have not yet authenticated
+        self.pending: dict[socket.socket, float] = {}  # handshakes in progress, oldest first
+        self.dropped = 0
+        self._log_drop = _DropLog()
 
     # --- building ---------------------------------------------------------------------------------
 
     def connect(self, addresses: dict[str, tuple[str, int]], timeout: float = 120.0) -> None:
         """Connect to every peer in `addresses` (proxy id -> (host, port)): lower ids dial higher."""
+        if not self.token:
+            raise MeshError("no rendezvous token: the mesh cannot authenticate its peers")
         expected = set(addresses) - {self.me}
-        accept = threading.Thread(target=self._accept, args=({p for p in expected if p < self.me},),
-                                  daemon=True)
-        accept.start()
+        with self.cond:
+            self.expected = {p for p in expected if p < self.me}
+        threading.Thread(target=self._accept, daemon=True).start()
         for peer in sorted(p for p in expected if p > self.me):
             host, port = addresses[peer]
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    sock = socket.create_connection((host, port), timeout=10)
-                    break
-                except OSError as exc:
-                    if time.monotonic() > deadline:
-                        raise MeshError(f"cannot reach proxy {peer} at {host}:{port}: {exc}") from exc
-                    time.sleep(0.1)
-            sock.settimeout(None)
-            self._send_frame(sock, {"hello": self.me, "generation": self.generation,
-                                    "token": self.token}, ())
-            self._add(peer, sock)
+            self._add(peer, self._dial(peer, host, port, time.monotonic() + timeout))
         deadline = time.monotonic() + timeout
         with self.cond:
             while not expected <= set(self.peers):
@@ -88,26 +188,112 @@ class Mesh:
                     raise MeshError(f"proxies {', '.join(missing)} did not connect within {timeout:.0f}s")
                 self.cond.wait(left)
 
-    def _accept(self, expected: set[str]) -> None:
-        while expected and not self.closed:
+    def _dial(self, peer: str, host: str, port: int, deadline: float) -> socket.socket:
+        """A connection to `peer` that proved it knows the token; retried until `deadline`."""
+        while True:
+            if self.closed:
+                raise MeshError("mesh closed while connecting")
             try:
-                sock, _ = self.listener.accept()
+                sock = socket.create_connection((host, port), timeout=self.handshake_s)
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise MeshError(f"cannot reach proxy {peer} at {host}:{port}: {exc}") from exc
+                time.sleep(0.1)
+                continue
+            try:
+                self._dial_handshake(sock, peer)
+                sock.settimeout(None)
+                return sock
+            except (OSError, EOFError, HandshakeError) as exc:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise MeshError(f"proxy {peer} at {host}:{port} did not authenticate: {exc}") from exc
+                LOG.info("proxy %s: handshake with %s at %s:%s failed (%s); retrying", self.me, peer,
+                         host, port, exc)
+                time.sleep(0.1)
+
+    def _dial_handshake(self, sock: socket.socket, peer: str) -> None:
+        deadline = time.monotonic() + self.handshake_s
+        acceptor_nonce = parse_challenge(bytes(_recv_exact(sock, _CHALLENGE, deadline)))
+        dialer_nonce = os.urandom(NONCE)
+        sock.sendall(dial_message(self.token, self.generation, peer, self.me, acceptor_nonce, dialer_nonce))
+        answer = bytes(_recv_exact(sock, MAC, deadline))
+        want = handshake_mac(self.token, b"accept", self.generation, peer, self.me, acceptor_nonce,
+                             dialer_nonce)
+        if not hmac.compare_digest(answer, want):
+            raise HandshakeError(f"the listener does not know generation {self.generation}'s token")
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                sock, address = self.listener.accept()
             except OSError:
                 return
-            try:
-                sock.settimeout(10)
-                header, _ = self._recv_frame(sock)
-                sock.settimeout(None)
-            except (OSError, EOFError, ValueError):
-                sock.close()
-                continue
-            peer = header.get("hello")
-            if (peer not in expected or header.get("generation") != self.generation
-                    or not hmac.compare_digest(str(header.get("token")), self.token)):
-                sock.close()  # not a proxy of this job's generation
-                continue
-            expected.discard(peer)
-            self._add(peer, sock)
+            with self.cond:
+                if not self.expected:  # every peer that dials us is here: nobody else may be
+                    self.dropped += 1
+                    self._log_drop(self.me, address, "no peer is expected")
+                    sock.close()
+                    continue
+                if len(self.pending) >= self.max_pending:
+                    oldest = next(iter(self.pending))
+                    del self.pending[oldest]
+                    self.dropped += 1
+                    self._log_drop(self.me, _address(oldest), f"{self.max_pending} handshakes pending: "
+                                   "dropped the oldest")
+                    _shut(oldest)
+                self.pending[sock] = time.monotonic()
+            threading.Thread(target=self._accept_one, args=(sock, address), daemon=True).start()
+
+    def _accept_one(self, sock: socket.socket, address: object) -> None:
+        try:
+            peer = self._accept_handshake(sock)
+        except (OSError, EOFError, HandshakeError) as exc:
+            with self.cond:
+                self.pending.pop(sock, None)
+                self.dropped += 1
+            self._log_drop(self.me, address, str(exc) or type(exc).__name__)
+            sock.close()
+            return
+        with self.cond:
+            still_pending = self.pending.pop(sock, None) is not None
+            fresh = still_pending and peer in self.expected and not self.closed
+            if fresh:
+                self.expected.discard(peer)
+        if not fresh:
+            self._log_drop(self.me, address, f"proxy {peer} is already connected or was dropped")
+            sock.close()
+            return
+        sock.settimeout(None)
+        self._add(peer, sock)
+
+    def _accept_handshake(self, sock: socket.socket) -> str:
+        """Challenge, then read exactly the dialer's fixed-size answer; its MAC before anything else."""
+        deadline = time.monotonic() + self.handshake_s
+        acceptor_nonce = os.urandom(NONCE)
+        sock.settimeout(self.handshake_s)
+        sock.sendall(challenge(acceptor_nonce))
+        head = bytes(_recv_exact(sock, NONCE + 1, deadline))
+        dialer_nonce, id_len = head[:NONCE], head[NONCE]
+        if id_len == 0 or id_len > MAX_ID:
+            raise HandshakeError(f"claimed a proxy id of {id_len} bytes")
+        rest = bytes(_recv_exact(sock, id_len + MAC, deadline))
+        raw_id, mac = rest[:id_len], rest[id_len:]
+        try:
+            peer = raw_id.decode("ascii")
+        except UnicodeDecodeError:
+            raise HandshakeError("the proxy id is not ASCII") from None
+        with self.cond:
+            expected = peer in self.expected
+        want = handshake_mac(self.token, b"dial", self.generation, self.me, peer, acceptor_nonce,
+                             dialer_nonce)
+        if not hmac.compare_digest(mac, want):
+            raise HandshakeError(f"wrong MAC for proxy {peer[:64]!r} of generation {self.generation}")
+        if not expected:
+            raise HandshakeError(f"proxy {peer!r} is not a peer that dials this one")
+        sock.sendall(handshake_mac(self.token, b"accept", self.generation, self.me, peer, acceptor_nonce,
+                                   dialer_nonce))
+        return peer
 
     def _add(self, peer: str, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -129,10 +315,15 @@ class Mesh:
             sock.sendall(view)
         return total
 
-    @staticmethod
-    def _recv_frame(sock: socket.socket) -> tuple[dict, bytearray]:
+    def _recv_frame(self, sock: socket.socket) -> tuple[dict, bytearray]:
         head_len, payload_len = _HEAD.unpack(bytes(_recv_exact(sock, _HEAD.size)))
+        if head_len > MAX_HEADER:
+            raise ValueError(f"frame header of {head_len} bytes exceeds {MAX_HEADER}")
+        if payload_len > self.max_payload:
+            raise ValueError(f"frame payload of {payload_len} bytes exceeds {self.max_payload}")
         header = json.loads(bytes(_recv_exact(sock, head_len)))
+        if not isinstance(header, dict):
+            raise ValueError("frame header is not a JSON object")
         return header, _recv_exact(sock, payload_len)
 
     def _read(self, peer: str, sock: socket.socket) -> None:
@@ -141,7 +332,7 @@ class Mesh:
                 header, payload = self._recv_frame(sock)
                 if "tag" in header:
                     with self.cond:
-                        self.inbox[(header["tag"], peer)] = payload
+                        self.inbox[(str(header["tag"]), peer)] = payload
                         self.cond.notify_all()
                 else:
                     self.on_control(peer, header)
@@ -190,12 +381,35 @@ class Mesh:
         with self.cond:
             self.cond.notify_all()
         try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             self.listener.close()
         except OSError:
             pass
-        for sock in self.peers.values():
+        with self.cond:
+            pending, self.pending = list(self.pending), {}
+        for sock in pending:
+            _shut(sock)
+        for sock in list(self.peers.values()):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             sock.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake the thread reading `sock` (it then closes it)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _address(sock: socket.socket) -> object:
+    try:
+        return sock.getpeername()
+    except OSError:
+        return "?"

@@ -23,7 +23,7 @@ RECORD_TTL_S = 7 * 24 * 3600
 
 
 class RendezvousError(Exception):
-    """The peers of a generation did not all publish in time."""
+    """The peers of a generation did not all publish in time, or published something malformed."""
 
 
 class Rendezvous(Protocol):
@@ -42,17 +42,18 @@ class RedisRendezvous:
 
     def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
         key = keys.job_rendezvous(self.job_id, generation)
+        keys.proxy_id(proxy)
         pipe = self.client.pipeline()
         pipe.hsetnx(key, "token", secrets.token_hex(16))
         pipe.hset(key, f"proxy:{proxy}", json.dumps([host, port]))
         pipe.expire(key, RECORD_TTL_S)
         pipe.hget(key, "token")
         token = pipe.execute()[-1]
-        return token.decode() if isinstance(token, bytes) else token
+        return keys.rendezvous_token(token.decode() if isinstance(token, bytes) else token)
 
     def wait(self, generation: str, proxies: Iterable[str], timeout: float) -> dict[str, tuple[str, int]]:
         key = keys.job_rendezvous(self.job_id, generation)
-        wanted = set(proxies)
+        wanted = {keys.proxy_id(p) for p in proxies}
         deadline = time.monotonic() + timeout
         while True:
             record = {(k.decode() if isinstance(k, bytes) else k): v

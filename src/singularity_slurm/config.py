@@ -85,6 +85,12 @@ class ProxyConfig:
     backend: str = "host"  # device backend of the proxies: host (CPU memory) until the cuda one lands
     cpu_slots: int = 1  # proxies on a node where the job has no GPU
     cut_timeout: int = 60  # seconds a checkpoint waits for the distributed cut before giving up
+    max_region_mib: int = 4096  # largest shared-memory region one rank may ask its proxy for
+    max_rank_connections: int = 4  # connections one rank may hold to its proxy at once
+
+    @property
+    def max_region_bytes(self) -> int:
+        return self.max_region_mib << 20
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,10 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "proxy.backend": ("host", str, "device backend of the device proxies (host: CPU memory)"),
     "proxy.cpu_slots": (1, int, "device proxies per node for a job without GPUs"),
     "proxy.cut_timeout": (60, int, "seconds a checkpoint waits for the distributed cut; keep < warn_time"),
+    "proxy.max_region_mib": (4096, int, "largest shared-memory region (MiB) a rank may map from its proxy: "
+                                        "the most data one collective call moves (1..1048576)"),
+    "proxy.max_rank_connections": (4, int, "connections one rank may hold to its proxy at once (1..64); "
+                                           "a proxy serves at most this many per rank it serves"),
     "admin.operators": ([], list, "user names that may checkpoint and migrate any user's job, like root "
                         "(they need read access to redis.password_file)"),
 }
@@ -237,16 +247,25 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         return value
 
     proxy_raw = data.get("proxy", {})
-    _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout"}, "proxy")
+    _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout", "max_region_mib", "max_rank_connections"},
+                "proxy")
     proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "host"),
                         cpu_slots=_take(proxy_raw, "cpu_slots", "proxy", int, 1),
-                        cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60))
+                        cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60),
+                        max_region_mib=_take(proxy_raw, "max_region_mib", "proxy", int,
+                                             KEYS["proxy.max_region_mib"][0]),
+                        max_rank_connections=_take(proxy_raw, "max_rank_connections", "proxy", int,
+                                                   KEYS["proxy.max_rank_connections"][0]))
     if proxy.backend != "host":
         raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: host")
     if not 1 <= proxy.cpu_slots <= 256:
         raise ConfigError(f"proxy.cpu_slots must be 1..256, got {proxy.cpu_slots}")
     if not 1 <= proxy.cut_timeout <= 3600:
         raise ConfigError(f"proxy.cut_timeout must be 1..3600 seconds, got {proxy.cut_timeout}")
+    if not 1 <= proxy.max_region_mib <= 1 << 20:
+        raise ConfigError(f"proxy.max_region_mib must be 1..1048576 MiB, got {proxy.max_region_mib}")
+    if not 1 <= proxy.max_rank_connections <= 64:
+        raise ConfigError(f"proxy.max_rank_connections must be 1..64, got {proxy.max_rank_connections}")
 
     admin_raw = data.get("admin", {})
     _check_keys(admin_raw, {"operators"}, "admin")

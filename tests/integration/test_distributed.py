@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,8 @@ def reference_logs(tmp: Path, script: str, args: list[str], world: int, per_prox
     job = random.randint(10**8, 10**9)
     rendezvous = MemoryRendezvous()
     placement = {r: f"ref/{r // per_proxy}" for r in range(world)}
-    proxies = [Proxy(job, os.getuid(), proxy, HostBackend(), lambda: rendezvous)
+    state = Path(tempfile.mkdtemp(prefix="singularity-state-", dir="/tmp"))
+    proxies = [Proxy(job, os.getuid(), proxy, HostBackend(), lambda: rendezvous, state_dir=state)
                for proxy in sorted(set(placement.values()))]
     for proxy in proxies:
         proxy.configure("1", placement)
@@ -54,6 +56,7 @@ def reference_logs(tmp: Path, script: str, args: list[str], world: int, per_prox
     procs = []
     for rank in range(world):
         env = dict(os.environ, SINGULARITY_PROXY="1", PYTHONPATH=HOOK, SINGULARITY_JOB_ID=str(job),
+                   SINGULARITY_RANK_DIR=str(state / "ranks"),
                    RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT="1")
         procs.append(subprocess.Popen([PYTHON, str(EXAMPLES / script), *args, "--log-dir", str(log_dir)],
@@ -68,6 +71,7 @@ def reference_logs(tmp: Path, script: str, args: list[str], world: int, per_prox
             proxy.stopping = True
         for proxy in proxies:
             proxy.close()
+        shutil.rmtree(state, ignore_errors=True)
     return {rank: (log_dir / f"{rank}.log").read_text() for rank in range(world)}
 
 

@@ -3,8 +3,8 @@
 The proxies run in the test's process (as in the integration tests' reference runs), with a job uid
 of this process's user. Workers are plain Python processes with a rank's environment: the
 sitecustomize on their PYTHONPATH installs the `singularity` backend when they import torch, so their
-unmodified `init_process_group("gloo")` goes through the proxies. Abstract socket names are global to
-the machine, so every job has a random id.
+unmodified `init_process_group("gloo")` goes through the proxies. Rank sockets live under a state
+folder of the test's own (`state_folder`), and every job has a random id.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from singularity_slurm.interpose import HOOK_DIR
+from singularity_slurm.interpose.pyhook._singularity_worker import wire
 from singularity_slurm.proxy.daemon import Proxy
 from singularity_slurm.proxy.hal import HostBackend
 from singularity_slurm.proxy.rendezvous import MemoryRendezvous
@@ -30,16 +33,33 @@ from singularity_slurm.proxy.rendezvous import MemoryRendezvous
 HOOK = str(HOOK_DIR)
 
 
+def state_folder() -> Path:
+    """A state folder the proxies accept (root's, mode 0755, in sticky /tmp) that a job user of
+    another uid can reach, as /run/singularity-slurm is on a node. Remove it with `remove_state`."""
+    folder = Path(tempfile.mkdtemp(prefix="singularity-state-", dir="/tmp"))
+    folder.chmod(0o755)
+    return folder
+
+
+def remove_state(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 class Job:
     """In-process proxies for a placement, and worker processes for its ranks."""
 
-    def __init__(self, folder: Path, placement: dict[int, str], uid: int | None = None):
+    def __init__(self, folder: Path, placement: dict[int, str], uid: int | None = None,
+                 state_dir: Path | None = None):
         self.folder = folder
         self.id = int.from_bytes(os.urandom(4), "big") + 10**10
         self.placement = placement
+        self.own_state = state_dir is None
+        self.state_dir = state_folder() if state_dir is None else state_dir
+        self.rank_dir = str(self.state_dir / "ranks")
         rendezvous = MemoryRendezvous()
         uid = os.getuid() if uid is None else uid
-        self.proxies = {p: Proxy(self.id, uid, p, HostBackend(), lambda: rendezvous, bind_host="127.0.0.1")
+        self.proxies = {p: Proxy(self.id, uid, p, HostBackend(), lambda: rendezvous, state_dir=self.state_dir,
+                                 bind_host="127.0.0.1")
                         for p in sorted(set(placement.values()))}
         for proxy in self.proxies.values():
             proxy.configure("1", placement)
@@ -55,6 +75,7 @@ class Job:
         argv = [python, str(script), *([mode, str(self.folder)] if args is None else args)]
         for rank in sorted(self.placement):
             env = dict(os.environ, SINGULARITY_PROXY="1", PYTHONPATH=HOOK, SINGULARITY_JOB_ID=str(self.id),
+                       SINGULARITY_RANK_DIR=self.rank_dir,
                        RANK=str(rank), WORLD_SIZE=str(len(self.placement)), LOCAL_RANK="0",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
             with open(self.folder / f"worker-{rank}.log", "wb") as log:
@@ -117,6 +138,11 @@ class Job:
             proxy.stopping = True  # else a proxy whose peer closes exits the process
         for proxy in self.proxies.values():
             proxy.close()
+        if self.own_state:
+            remove_state(self.state_dir)
+
+    def address(self, rank: int) -> str:
+        return wire.rank_address(self.id, rank, self.rank_dir)
 
 
 def requirement_closure(names: list[str]) -> list[importlib.metadata.Distribution]:

@@ -441,7 +441,7 @@ def node_proxies(socket_dir: Path) -> Iterator[Callable[[list[str]], dict]]:
     def start(devices: list[str]) -> dict:
         for device in devices:
             proxy = Proxy(job_id, os.getuid(), f"n9/{device}", HostBackend(), lambda: rendezvous,
-                          bind_host="127.0.0.1")
+                          state_dir=socket_dir, bind_host="127.0.0.1")
             servers.append(serve_control(proxy, socket_dir / f"proxy-{device}.sock"))
             pidfile = services.pidfile_path(socket_dir, f"proxy-{device}")
             pidfile.write_text(json.dumps({"pid": os.getpid(),

@@ -447,7 +447,8 @@ def test_proxy_defaults_match_the_documented_keys() -> None:
 
     assert {key: default for key, (default, _, _) in KEYS.items() if key.startswith("proxy.")} == {
         "proxy.backend": proxy.backend, "proxy.cpu_slots": proxy.cpu_slots,
-        "proxy.cut_timeout": proxy.cut_timeout,
+        "proxy.cut_timeout": proxy.cut_timeout, "proxy.max_region_mib": proxy.max_region_mib,
+        "proxy.max_rank_connections": proxy.max_rank_connections,
     }
 
 
@@ -466,7 +467,8 @@ def test_the_documented_example_configures_the_proxies() -> None:
 
 def test_unknown_proxy_key_lists_valid_keys() -> None:
     assert config_error({"proxy": {"slots": 2}}) == (
-        "unknown key(s) in [proxy]: slots; valid keys: backend, cpu_slots, cut_timeout"
+        "unknown key(s) in [proxy]: slots; valid keys: backend, cpu_slots, cut_timeout, "
+        "max_rank_connections, max_region_mib"
     )
 
 
@@ -489,6 +491,28 @@ def test_cut_timeout_out_of_range_is_refused(cut_timeout: int) -> None:
     assert config_error({"proxy": {"cut_timeout": cut_timeout}}) == (
         f"proxy.cut_timeout must be 1..3600 seconds, got {cut_timeout}"
     )
+
+
+def test_proxy_resource_bounds_default_to_4_gib_regions_and_4_connections_per_rank() -> None:
+    proxy = parse({}).proxy
+
+    assert (proxy.max_region_mib, proxy.max_region_bytes, proxy.max_rank_connections) == (4096, 4 << 30, 4)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("max_region_mib", 0, "proxy.max_region_mib must be 1..1048576 MiB, got 0"),
+    ("max_region_mib", (1 << 20) + 1, "proxy.max_region_mib must be 1..1048576 MiB, got 1048577"),
+    ("max_rank_connections", 0, "proxy.max_rank_connections must be 1..64, got 0"),
+    ("max_rank_connections", 65, "proxy.max_rank_connections must be 1..64, got 65"),
+])
+def test_proxy_resource_bounds_out_of_range_are_refused(key: str, value: int, message: str) -> None:
+    assert config_error({"proxy": {key: value}}) == message
+
+
+def test_proxy_resource_bounds_are_taken_at_their_limits() -> None:
+    proxy = parse({"proxy": {"max_region_mib": 1 << 20, "max_rank_connections": 1}}).proxy
+
+    assert (proxy.max_region_mib, proxy.max_rank_connections) == (1 << 20, 1)
 
 
 @pytest.mark.parametrize(("data", "message"), [

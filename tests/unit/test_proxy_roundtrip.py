@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from proxyjob import Job
+from proxyjob import Job, remove_state, state_folder
 
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 from singularity_slurm.interpose.pyhook._singularity_worker.proxy_client import ProxyClient
@@ -204,8 +204,8 @@ from pathlib import Path
 
 from singularity_slurm.interpose.pyhook._singularity_worker.proxy_client import ProxyClient
 
-job, out = sys.argv[1], Path(sys.argv[2])
-client = ProxyClient(job, 0, 1)
+job, out, rank_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+client = ProxyClient(job, 0, 1, rank_dir)
 client.register_comm("world", [0])
 value = (ctypes.c_float * 1)(1.0)
 span = (ctypes.addressof(value), 4)
@@ -246,7 +246,7 @@ def refused(address: str) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         try:
             sock.connect(address)
-        except ConnectionRefusedError:
+        except (ConnectionRefusedError, FileNotFoundError):
             return True
     return False
 
@@ -340,7 +340,7 @@ def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish
     run.wait_for("every rank to let go of the proxy", lambda: not any(
         holds_proxy_resources(proc.pid) for proc in run.workers.values()), timeout=10)
     for rank in run.workers:
-        assert refused(wire.rank_address(run.id, rank)), f"rank {rank}'s name is still served"
+        assert refused(run.address(rank)), f"rank {rank}'s name is still served"
 
     assert run.on_every_proxy(lambda p: p.resume()) == {"p0": {"resumed": [0, 1]}, "p1": {"resumed": [2]}}
     run.wait_for("every rank reconnected", lambda: all(
@@ -383,16 +383,16 @@ def test_quiesce_gives_up_when_a_rank_issues_nothing_and_the_job_continues(job) 
 class RawRank:
     """A worker's connection without the client library: frames as given."""
 
-    def __init__(self, job_id: int, rank: int):
+    def __init__(self, address: str):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         deadline = time.monotonic() + 10
         while True:
             try:
-                self.sock.connect(wire.rank_address(job_id, rank))
+                self.sock.connect(address)
                 break
-            except ConnectionRefusedError:
-                assert time.monotonic() < deadline, f"rank {rank} of job {job_id} is not served"
+            except (ConnectionRefusedError, FileNotFoundError):
+                assert time.monotonic() < deadline, f"{address} is not served"
                 time.sleep(0.02)
         self.reader = wire.Reader(self.sock)
 
@@ -414,7 +414,7 @@ def solo(job) -> Iterator[Job]:
 
 
 def test_the_proxy_is_served_by_root(solo: Job) -> None:
-    rank = RawRank(solo.id, 0)
+    rank = RawRank(solo.address(0))
     try:
         assert wire.peer_uid(rank.sock) == 0 or os.getuid() != 0
         assert rank.ask({"op": "hello", "rank": 0, "world_size": 2}) == {
@@ -430,7 +430,7 @@ def test_the_proxy_is_served_by_root(solo: Job) -> None:
      "hello: communicator world: ranks must be ranks of the job, got [0, 5]"),
 ])
 def test_a_hello_that_does_not_match_the_job_is_refused(solo: Job, hello: dict, error: str) -> None:
-    rank = RawRank(solo.id, 0)
+    rank = RawRank(solo.address(0))
     try:
         assert rank.ask(hello) == {"ok": False, "error": error}
     finally:
@@ -438,7 +438,7 @@ def test_a_hello_that_does_not_match_the_job_is_refused(solo: Job, hello: dict, 
 
 
 def test_operations_that_cannot_be_served_are_refused_and_the_connection_goes_on(solo: Job) -> None:
-    rank = RawRank(solo.id, 0)
+    rank = RawRank(solo.address(0))
     try:
         assert rank.ask({"op": "hello", "rank": 0, "world_size": 2, "comms": {"world": [0, 1]}})["ok"]
         assert rank.ask({"op": "allreduce", "comm": "other", "dtype": "float32", "count": 1,
@@ -459,17 +459,20 @@ def test_operations_that_cannot_be_served_are_refused_and_the_connection_goes_on
         rank.close()
 
 
-def test_a_connection_from_another_user_is_dropped(job) -> None:
+def test_a_connection_from_another_user_is_refused(job) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to connect as another user")
     run = job({0: "p0"}, uid=4242)
     probe = ("import socket, struct\n"
              "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(10)\n"
-             f"s.connect({wire.rank_address(run.id, 0)!r})\n"
+             f"path = {run.address(0)!r}\n"
              "body = b'{\"op\":\"hello\",\"rank\":0,\"world_size\":1}'\n"
              "try:\n"
+             "    s.connect(path)\n"
              "    s.sendall(struct.pack('!I', len(body)) + body)\n"
              "    print('dropped' if s.recv(100) == b'' else 'answered')\n"
+             "except PermissionError:\n"
+             "    print('denied')\n"
              "except (BrokenPipeError, ConnectionResetError):\n"
              "    print('dropped')\n")
 
@@ -478,7 +481,7 @@ def test_a_connection_from_another_user_is_dropped(job) -> None:
     as_job_user = subprocess.run([sys.executable, "-c", probe], user=4242, capture_output=True, text=True,
                                  timeout=30, cwd="/")
 
-    assert as_nobody.stdout == "dropped\n", as_nobody.stderr
+    assert as_nobody.stdout == "denied\n", as_nobody.stderr  # the socket is the job user's, mode 0600
     assert as_job_user.stdout == "answered\n", as_job_user.stderr
 
 
@@ -494,7 +497,7 @@ def p2p(client: ProxyClient, op: str, peer: int, array: np.ndarray) -> None:
 def test_a_ring_exchange_cut_leaves_no_message_in_flight(job) -> None:
     run = job({0: "p0", 1: "p1"})
     run.wait_for("the mesh", lambda: all(p.status()["ready"] for p in run.proxies.values()))
-    clients = {r: ProxyClient(run.id, r, 2) for r in (0, 1)}
+    clients = {r: ProxyClient(run.id, r, 2, run.rank_dir) for r in (0, 1)}
     for client in clients.values():
         client.register_comm("world", [0, 1])
     got = {0: np.zeros(1, np.float32), 1: np.zeros(1, np.float32)}
@@ -539,7 +542,7 @@ def test_quiesce_answers_only_once_every_worker_let_go_of_the_proxy(job, tmp_pat
     proxy = run.proxies["p0"]
     with open(tmp_path / "worker-0.log", "wb") as log:  # no torch: the client library alone
         worker = run.workers[0] = subprocess.Popen(
-            [sys.executable, "-c", LIGHT_WORKER, str(run.id), str(tmp_path)], stdout=log,
+            [sys.executable, "-c", LIGHT_WORKER, str(run.id), str(tmp_path), run.rank_dir], stdout=log,
             stderr=subprocess.STDOUT)
     run.wait_for("the worker's operations", lambda: proxy.issued.get(0, {}).get("world", 0) > 10)
     proxy._on_control(proxy.id, {"ctl": "drain"})  # the drain reached this proxy: the next operation waits
@@ -577,7 +580,9 @@ class FirstGenerationGivesUpFast(MemoryRendezvous):
 def test_a_reconfigured_proxy_does_not_take_the_failure_of_its_previous_generation() -> None:
     job_id = int.from_bytes(os.urandom(4), "big") + 10**10
     rendezvous = FirstGenerationGivesUpFast()
-    proxies = [Proxy(job_id, os.getuid(), name, HostBackend(), lambda: rendezvous, bind_host="127.0.0.1")
+    state = state_folder()
+    proxies = [Proxy(job_id, os.getuid(), name, HostBackend(), lambda: rendezvous, state_dir=state,
+                     bind_host="127.0.0.1")
                for name in ("b", "c")]
     b, c = proxies
     try:
@@ -596,3 +601,4 @@ def test_a_reconfigured_proxy_does_not_take_the_failure_of_its_previous_generati
             proxy.stopping = True
         for proxy in proxies:
             proxy.close()
+        remove_state(state)

@@ -177,33 +177,36 @@ def test_a_frame_that_is_not_an_object_is_a_protocol_error(pair, body: bytes) ->
 # --- names and peers ------------------------------------------------------------------------------
 
 
-def test_rank_address_is_abstract_and_names_job_and_rank() -> None:
-    assert wire.rank_address(7, 3) == "\0singularity-proxy/7/3"
+def test_rank_address_is_a_path_in_the_jobs_folder_under_the_rank_dir() -> None:
+    assert wire.rank_address(7, 3, "/run/singularity-slurm/ranks") == "/run/singularity-slurm/ranks/7/3.sock"
 
 
 def test_rank_addresses_differ_per_job_and_rank() -> None:
-    addresses = {wire.rank_address(job, rank) for job in (7, 8, 70) for rank in (0, 1, 10)}
+    addresses = {wire.rank_address(job, rank, "/r") for job in (7, 8, 70) for rank in (0, 1, 10)}
 
     assert len(addresses) == 9
 
 
 def test_rank_address_is_the_same_for_a_job_id_given_as_text() -> None:
     # Workers read the job id from the environment, the proxy gets it as a number.
-    assert wire.rank_address("7", 3) == wire.rank_address(7, 3)
+    assert wire.rank_address("7", 3, "/r/") == wire.rank_address(7, 3, "/r")
 
 
-def test_a_rank_address_binds_without_a_file(tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    address = wire.rank_address(f"unit-{os.getpid()}-{id(tmp_path)}", 0)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
-        server.bind(address)
-        server.listen(1)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-            client.connect(address)
-            accepted, _ = server.accept()
-            with accepted:
-                assert wire.peer_uid(accepted) == os.getuid()
-    assert list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize(("job", "rank", "folder", "message"), [
+    ("../7", 0, "/r", "job id must be a positive integer, got '../7'"),
+    (0, 0, "/r", "job id must be a positive integer, got 0"),
+    (True, 0, "/r", "job id must be a positive integer, got True"),
+    (7, -1, "/r", "rank must be a non-negative integer, got -1"),
+    (7, "1", "/r", "rank must be a non-negative integer, got '1'"),
+    (7, 0, "r", "the rank socket folder must be an absolute path, got 'r'"),
+    (7, 0, "/" + "x" * 100, f"rank socket path /{'x' * 100}/7/0.sock is longer than the 107 bytes a unix "
+                            "socket name may have: choose a shorter paths.state_dir"),
+])
+def test_a_rank_address_from_bad_parts_is_refused(job, rank, folder: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        wire.rank_address(job, rank, folder)
+
+    assert str(info.value) == message
 
 
 def test_peer_uid_is_the_other_ends_user(pair) -> None:
@@ -211,3 +214,38 @@ def test_peer_uid_is_the_other_ends_user(pair) -> None:
 
     assert wire.peer_uid(left) == os.getuid()
     assert wire.peer_uid(right) == os.getuid()
+
+
+# --- bounds on what a peer can make the reader hold -----------------------------------------------
+
+
+def test_the_reader_never_buffers_past_the_frame_it_assembles(pair) -> None:
+    left, right = pair
+    first = wire.encode({"n": 1})
+    left.sendall(first + b"\xff" * 200_000)  # a frame, then garbage that claims 4 GiB
+    reader = wire.Reader(right)
+
+    assert reader.recv() == ({"n": 1}, [])
+    assert reader.buffer == b""
+    with pytest.raises(wire.ProtocolError) as info:
+        reader.recv()
+    assert str(info.value) == f"frame length {0xFFFFFFFF} exceeds {wire.MAX_FRAME}"
+    assert len(reader.buffer) == 4  # the length alone was read, not what follows
+
+
+def test_descriptors_beyond_max_fds_for_one_frame_are_closed_and_refused(pair) -> None:
+    left, right = pair
+    frame = wire.encode({"n": 1})
+    before = open_fds()
+    for byte in frame[:3]:  # one byte at a time, each with MAX_FDS descriptors
+        files = [os.open("/dev/null", os.O_RDONLY) for _ in range(wire.MAX_FDS)]
+        socket.send_fds(left, [bytes([byte])], files)
+        for fd in files:
+            os.close(fd)
+    reader = wire.Reader(right)
+
+    with pytest.raises(wire.ProtocolError) as info:
+        reader.recv()
+
+    assert str(info.value) == f"more than {wire.MAX_FDS} descriptors came with one frame"
+    assert open_fds() == before

@@ -2,7 +2,7 @@
 
 A worker holds exactly two things that belong to the proxy: a unix socket and a shared-memory
 mapping. When the proxy answers a request with `park` (a distributed checkpoint reached its cut), the
-worker drops both, waits until its rank's name is served again (by the same proxy after a checkpoint
+worker drops both, waits until its rank's socket path is served again (by the same proxy after a checkpoint
 that leaves the job running, or by a fresh proxy on whatever node the job was restored on) and sends
 the request again. So a checkpoint image of a worker never refers to a proxy or a peer.
 
@@ -45,7 +45,14 @@ class ProxyError(RuntimeError):
 class ProxyClient:
     """One rank's connection to the proxy that serves it. Thread-safe; one request at a time."""
 
-    def __init__(self, job_id: int | str, rank: int, world_size: int):
+    def __init__(self, job_id: int | str, rank: int, world_size: int, rank_dir: str | None = None):
+        """`rank_dir`: the folder of rank sockets; by default $SINGULARITY_RANK_DIR (the node agent
+        sets it). The path is kept: a restored worker reconnects through it on any node."""
+        rank_dir = rank_dir or os.environ.get(wire.RANK_DIR_ENV)
+        if not rank_dir:
+            raise ProxyError(f"${wire.RANK_DIR_ENV} is not set: run the job with `singularityctl run`, "
+                             "whose node agent sets it")
+        self.address = wire.rank_address(job_id, rank, rank_dir)
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
@@ -62,11 +69,10 @@ class ProxyClient:
     # --- connection -------------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        address = wire.rank_address(self.job_id, self.rank)
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             try:
-                sock.connect(address)
+                sock.connect(self.address)
                 break
             except OSError as exc:
                 sock.close()

@@ -54,7 +54,8 @@ def client() -> ProxyClient:
             _CLIENT = ProxyClient(env["SINGULARITY_JOB_ID"], int(env["RANK"]), int(env["WORLD_SIZE"]))
         except (KeyError, ValueError) as exc:
             raise ProxyError("the singularity backend runs under `singularityctl run --world-size N` "
-                             f"(SINGULARITY_JOB_ID, RANK and WORLD_SIZE must be set): {exc}") from exc
+                             f"(SINGULARITY_JOB_ID, RANK, WORLD_SIZE and SINGULARITY_RANK_DIR must be "
+                             f"set): {exc}") from exc
     return _CLIENT
 
 

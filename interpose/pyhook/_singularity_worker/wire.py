@@ -22,15 +22,33 @@ class ProtocolError(Exception):
     """A peer sent something that is not a frame of this protocol."""
 
 
-def rank_address(job_id: int | str, rank: int) -> str:
-    """The abstract unix socket name the proxy serving `rank` of a job listens on.
+RANK_DIR_ENV = "SINGULARITY_RANK_DIR"
+"""The variable the node agent gives ranks: the folder of rank sockets (`<paths.state_dir>/ranks`)."""
 
-    Abstract names live in the network namespace, not the filesystem, so a restored worker reaches
-    whichever proxy serves its rank on the node it was restored on, through the same name. The name
-    is only bound while the proxy accepts the rank: a parked worker finds it unbound until the
-    checkpoint is over. Callers check the listener is root (SO_PEERCRED) before trusting it.
+_SUN_PATH_MAX = 107  # sockaddr_un's sun_path holds 108 bytes, the last one a NUL
+
+
+def rank_address(job_id: int | str, rank: int, rank_dir: str) -> str:
+    """The unix socket the proxy serving `rank` of a job listens on: `<rank_dir>/<job>/<rank>.sock`.
+
+    `rank_dir` is the same path on every node, and `<job>` a folder only root can create in (the
+    proxy makes it; another user can neither take the name first nor replace it), so a restored
+    worker reaches whichever proxy serves its rank on the node it was restored on, through the same
+    path. The socket exists only while the proxy accepts the rank: a parked worker finds it missing
+    until the checkpoint is over. Callers check the listener is root (SO_PEERCRED) before trusting it.
     """
-    return f"\0singularity-proxy/{job_id}/{rank}"
+    job = str(job_id)
+    if not job.isdigit() or int(job) <= 0 or isinstance(job_id, bool):
+        raise ValueError(f"job id must be a positive integer, got {job_id!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+    if not rank_dir.startswith("/"):
+        raise ValueError(f"the rank socket folder must be an absolute path, got {rank_dir!r}")
+    path = f"{rank_dir.rstrip('/')}/{int(job)}/{rank}.sock"
+    if len(path.encode()) > _SUN_PATH_MAX:
+        raise ValueError(f"rank socket path {path} is longer than the {_SUN_PATH_MAX} bytes a unix socket "
+                         "name may have: choose a shorter paths.state_dir")
+    return path
 
 
 def encode(message: dict) -> bytes:
@@ -76,8 +94,18 @@ class Reader:
                     if not isinstance(message, dict):
                         raise ProtocolError("frame is not a JSON object")
                     return message, fds
-            data, fds, _, _ = socket.recv_fds(self.sock, 65536, MAX_FDS)
+            # Never read past the frame being assembled (or its length), so the buffer stays within
+            # one frame of MAX_FRAME bytes, and never hold more than MAX_FDS descriptors for it.
+            want = _LENGTH.size - len(self.buffer)
+            if want <= 0:
+                want = _LENGTH.size + _LENGTH.unpack_from(self.buffer)[0] - len(self.buffer)
+            data, fds, _, _ = socket.recv_fds(self.sock, max(want, 1), MAX_FDS)
             self.fds.extend(fds)
+            if len(self.fds) > MAX_FDS:
+                for fd in self.fds:
+                    _close_quietly(fd)
+                self.fds = []
+                raise ProtocolError(f"more than {MAX_FDS} descriptors came with one frame")
             if not data:
                 for fd in self.fds:
                     _close_quietly(fd)
