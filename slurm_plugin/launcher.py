@@ -486,6 +486,8 @@ class Launcher:
                                timeout=None)
         except LaunchError as exc:
             if "no committed checkpoint" in str(exc):
+                if " refused: " in str(exc):  # checkpoints were refused on the way: say which and why
+                    self.say(str(exc).removeprefix("restore: "))
                 self.say("no committed checkpoint: starting from the beginning")
                 return False
             raise

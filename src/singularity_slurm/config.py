@@ -88,6 +88,15 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class LocalFilesConfig:
+    """Bounds on the node-local files (and the file-log) a checkpoint carries."""
+
+    max_files: int = 1000  # files listed in the file-log that are carried; the rest are not
+    max_bytes: int = 1 << 30  # their total size; a file that would pass it is not carried
+    max_log_bytes: int = 16 << 20  # the file-log itself; only its first max_log_bytes are read
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     operators: tuple[str, ...] = ()  # user names that may checkpoint and migrate any job, like root
 
@@ -105,6 +114,7 @@ class Config:
     paths: PathsConfig
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    local_files: LocalFilesConfig = field(default_factory=LocalFilesConfig)
     source: Path | None = field(default=None, compare=False)
 
     def tier(self, name: str) -> TierConfig:
@@ -143,12 +153,18 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "proxy.backend": ("host", str, "device backend of the device proxies (host: CPU memory)"),
     "proxy.cpu_slots": (1, int, "device proxies per node for a job without GPUs"),
     "proxy.cut_timeout": (60, int, "seconds a checkpoint waits for the distributed cut; keep < warn_time"),
+    "local_files.max_files": (LocalFilesConfig.max_files, int,
+                              "node-local files (from the job's file-log) a checkpoint carries at most"),
+    "local_files.max_bytes": (LocalFilesConfig.max_bytes, int,
+                              "total bytes of node-local files a checkpoint carries at most"),
+    "local_files.max_log_bytes": (LocalFilesConfig.max_log_bytes, int,
+                                  "bytes of the job's file-log that are read at a checkpoint"),
     "admin.operators": ([], list, "user names that may checkpoint and migrate any user's job, like root "
                         "(they need read access to redis.password_file)"),
 }
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
-_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin"}
+_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 _USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 """A POSIX user name (as useradd accepts it); `root` needs no entry."""
@@ -255,6 +271,14 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         if not isinstance(name, str) or not _USER_NAME.fullmatch(name):
             raise ConfigError(f"admin.operators must list user names, got {name!r}")
 
+    local_raw = data.get("local_files", {})
+    _check_keys(local_raw, {"max_files", "max_bytes", "max_log_bytes"}, "local_files")
+    limits = {key: _take(local_raw, key, "local_files", int, KEYS[f"local_files.{key}"][0])
+              for key in ("max_files", "max_bytes", "max_log_bytes")}
+    for key, value in limits.items():
+        if not 0 <= value <= 1 << 50:
+            raise ConfigError(f"local_files.{key} must be 0..2**50, got {value}")
+
     return Config(
         default_tier=default_tier,
         tiers=tiers,
@@ -270,6 +294,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                           prefix=path("prefix")),
         proxy=proxy,
         admin=AdminConfig(operators=tuple(operators)),
+        local_files=LocalFilesConfig(**limits),
         source=source,
     )
 
