@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from singularity_slurm.node.userio import (
-    MAX_FRAME,
     HEADER,
+    MAX_FRAME,
     FrameReader,
     UserCreds,
     UserIOError,
@@ -129,7 +129,8 @@ def test_another_users_file_is_refused(user, folder):
     files, notices = read(user, [str(path)])
 
     assert files == {}
-    assert notices == [f"not carried: {path} belongs to uid {other.pw_uid}, not to the job's user (uid {user.uid})"]
+    assert notices == [
+        f"not carried: {path} belongs to uid {other.pw_uid}, not to the job's user (uid {user.uid})"]
 
 
 def test_a_symlinked_parent_folder_is_refused(user, folder):
