@@ -87,7 +87,8 @@ class Mapping:
 
     @property
     def range(self) -> str:
-        return f"{self.start}-{self.end}"
+        """As /proc/PID/map_files names it: hex without leading zeros."""
+        return f"{int(self.start, 16):x}-{int(self.end, 16):x}"
 
     def needs(self) -> tuple[bool, bool]:
         """(read, write) its file needs: mmap always reads; a shared writable mapping writes."""

@@ -71,6 +71,7 @@ def test_parse_maps_keeps_file_mappings_with_their_needs():
                     Mapping("7f00a000", "7f00b000", "rw-s", 99, "/tmp/shared file"),
                     Mapping("7f00e000", "7f00f000", "rw-s", 7, "/dev/zero (deleted)")]
     assert [m.needs() for m in maps[:2]] == [(True, False), (True, True)]
+    assert Mapping("00400000", "0041f000", "r--p", 1, "/x").range == "400000-41f000"  # as map_files names it
     assert restorecheck.no_path(maps[2].path) and not restorecheck.no_path(maps[1].path)
     assert restorecheck.no_path("pipe:[123]") and restorecheck.no_path("/memfd:x (deleted)")
 
