@@ -264,9 +264,11 @@ class CheckpointEngine:
                     manifest, corrupt = self.store.latest_valid(
                         job_id, where=lambda m: of_run(run)(m) and m.seq not in tried)
                 except NoCheckpoint as exc:
+                    if not refused:
+                        raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
                     why = "; ".join(f"checkpoint {r.seq} refused: {r.reason}" for r in refused)
-                    raise RequestError(f"no committed checkpoint of job {job_id} can be restored"
-                                       f"{' (' + why + ')' if why else ''}: {exc}") from exc
+                    raise RequestError(f"no committed checkpoint of job {job_id} can be restored: "
+                                       f"{why}") from exc
                 refused.extend(r for r in corrupt if r.seq not in {known.seq for known in refused})
             tried.add(manifest.seq)
             try:
