@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,14 +32,6 @@ JOB = f"""#!/bin/bash
 """
 
 
-def _other_user() -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam("jobuser2")
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", "jobuser2"], check=True)
-        return pwd.getpwnam("jobuser2")
-
-
 def _fingerprint(path: Path) -> tuple:
     st = os.lstat(path)
     data = path.read_bytes() if path.is_file() and not path.is_symlink() else None
@@ -48,9 +39,9 @@ def _fingerprint(path: Path) -> tuple:
 
 
 @pytest.fixture
-def victims() -> Iterator[dict[str, Path]]:
+def victims(other_user: pwd.struct_passwd) -> Iterator[dict[str, Path]]:
     """A root-only 0600 file and a folder and file of jobuser2, to be aimed at by the job."""
-    other = _other_user()
+    other = other_user
     tag = uuid.uuid4().hex[:8]
     root_file = Path(f"/tmp/sec-root-{tag}")
     root_file.write_text("ROOT-SECRET\n")
