@@ -147,8 +147,11 @@ class Criu:
             os.close(fd)
         return DumpResult(images_dir, pid, leave_running)
 
-    def restore(self, images_dir: Path) -> int:
-        """Restore the tree as a child of this process; returns the pid of its root (the ns init)."""
+    def restore(self, images_dir: Path, leave_stopped: bool = False) -> int:
+        """Restore the tree as a child of this process; returns the pid of its root (the ns init).
+
+        With `leave_stopped` every task of the tree stays stopped (SIGSTOP) until sent SIGCONT.
+        """
         pycriu, client = self._client()
         fd = os.open(images_dir, os.O_DIRECTORY)
         try:
@@ -157,6 +160,7 @@ class Criu:
             client.opts.log_level = 4
             client.opts.root = "/"
             client.opts.rst_sibling = True
+            client.opts.leave_stopped = leave_stopped
             client.opts.file_locks = True
             try:
                 response = client.restore()

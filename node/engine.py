@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import time
@@ -20,12 +22,19 @@ from singularity_slurm.checkpoint.criu import Criu, filelog_shim_path, wrapper_p
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import Registry, connect
-from singularity_slurm.errors import CheckpointError, CorruptCheckpoint, NoCheckpoint, SingularityError
+from singularity_slurm.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpoint,
+    NoCheckpoint,
+    SingularityError,
+)
 from singularity_slurm.interpose import filelog
 from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
-from . import jobtree, localfiles, runs
+from . import jobtree, localfiles, restorecheck, runs
+from .userio import UserCreds
 
 KEEP_CHECKPOINTS = 3
 PAGE_CHUNK = 4096
@@ -75,6 +84,40 @@ def of_run(run: str | None) -> Callable[[Manifest], bool]:
     return lambda manifest: manifest.meta.get("run") == run
 
 
+NOTICE = "[singularity] "
+
+
+class RestoreRefused(CheckpointError):
+    """A restored tree held a file, mapping or folder its user could not open; it was killed."""
+
+
+def store_refusal(seq: int, reason: str) -> Any:
+    from singularity_slurm.checkpoint.store import Refusal
+
+    return Refusal(seq, reason)
+
+
+def _kill_restored(pid: int) -> None:
+    """SIGKILL a restored (stopped) namespace init, which ends its namespace, and reap it."""
+    jobtree.kill_tree(pid)
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def check_store_root(path: Path) -> None:
+    """Refuse a store folder that anyone but root owns or may write: checkpoints are restored as root."""
+    info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+        raise ConfigError(
+            f"paths.store_root {path} must be a folder owned by root and not writable by group or others "
+            f"(it is {'a folder' if stat.S_ISDIR(info.st_mode) else 'not a folder'}, owner uid "
+            f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}); fix it with `chown root: {path} && "
+            f"chmod 700 {path}`")
+    os.chmod(path, 0o700)  # only the agents (root) read checkpoints
+
+
 class CheckpointEngine:
     def __init__(self, config: Config, node: str, run_dir: Path, store: CheckpointStore,
                  criu: Criu, slurm: SlurmClient, keep: int = KEEP_CHECKPOINTS):
@@ -102,8 +145,8 @@ class CheckpointEngine:
     def from_config(cls, node: str, run_dir: Path) -> CheckpointEngine:
         config = load()
         store_root = config.paths.store_root
-        store_root.mkdir(parents=True, exist_ok=True)
-        os.chmod(store_root, 0o700)  # only the agents (root) write or read checkpoints
+        store_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_store_root(store_root)
         return cls(config, node, run_dir, job_store(store_root),
                    Criu(wrapper_path(config.paths.prefix)), SlurmClient())
 
@@ -132,7 +175,8 @@ class CheckpointEngine:
                                "itself")
         gid = pwd.getpwuid(uid).pw_gid
         log = localfiles.log_path(self.config.paths.state_dir, job_id)
-        localfiles.prepare_log(log, uid, gid)
+        notices = localfiles.prepare_log(log, uid, gid)
+        localfiles.tell_job(UserCreds.of_uid(uid), output, notices, NOTICE)
         env = {**env, **filelog.env_for(filelog_shim_path(self.config.paths.prefix), log,
                                         ld_preload=env.get("LD_PRELOAD") or None)}
         return jobtree.TreeSpec(argv, uid, gid, cwd, output, env)
@@ -166,22 +210,30 @@ class CheckpointEngine:
 
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                     generation: str | None, run: str | None, work: Path, started: float) -> dict[str, Any]:
+        output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
         self.criu.dump(init_pid, work, leave_running=not stop)
         dumped = time.monotonic()
-        local = localfiles.collect(localfiles.log_path(self.config.paths.state_dir, job_id), uid)
-        manifest = images.upload(self.store, job_id, work, reason, {
-            "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
-            "local_files": sorted(k for k in local if k != localfiles.LOG_ENTRY),
-            "rank": self.rank, "generation": generation, "run": run,
-        }, extra=local)
+        creds = UserCreds.of_uid(uid)
+        copies = work.with_name(work.name + "-local")
+        try:
+            local = localfiles.collect(localfiles.log_path(self.config.paths.state_dir, job_id), creds,
+                                       copies, self.config.local_files)
+            manifest = images.upload(self.store, job_id, work, reason, {
+                "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
+                "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
+                "rank": self.rank, "generation": generation, "run": run,
+            }, extra=local.entries)
+        finally:
+            shutil.rmtree(copies, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
+        localfiles.tell_job(creds, output, local.notices, f"{NOTICE}checkpoint {manifest.seq}: ")
         try:
             self.store.prune(job_id, keep=self.keep)
         except SingularityError:
             pass  # an old checkpoint left over costs space, not correctness
         summary = summarize(manifest, time.monotonic() - started)
         self._index(lambda registry: registry.record_checkpoint(job_id, summary))
-        return summary
+        return {**summary, "notices": local.notices} if local.notices else summary
 
     def _index(self, action: Callable[[Registry], None]) -> None:
         """Update the Redis index; an outage costs `status` detail, never a checkpoint."""
@@ -194,28 +246,39 @@ class CheckpointEngine:
 
     def restore(self, job_id: int, uid: int, generation: str | None = None,
                 run: str | None = None) -> dict[str, Any]:
+        """Restore the newest checkpoint whose restored tree holds nothing its user could not open.
+
+        A checkpoint that fails that check (see restorecheck) is refused like a corrupt one, and the
+        next older one is tried; with `generation` (a multi-node checkpoint) there is no other.
+        """
         started = time.monotonic()
         self._check_trusted(job_id)
-        if generation is not None:
-            manifest, refused = self._generation(job_id, generation, run), []
-        else:
+        creds = UserCreds.of_uid(uid)
+        refused: list[Any] = []
+        tried: set[int] = set()
+        while True:
+            if generation is not None:
+                manifest = self._generation(job_id, generation, run)
+            else:
+                try:
+                    manifest, corrupt = self.store.latest_valid(
+                        job_id, where=lambda m: of_run(run)(m) and m.seq not in tried)
+                except NoCheckpoint as exc:
+                    if not refused:
+                        raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
+                    why = "; ".join(f"checkpoint {r.seq} refused: {r.reason}" for r in refused)
+                    raise RequestError(f"no committed checkpoint of job {job_id} can be restored: "
+                                       f"{why}") from exc
+                refused.extend(r for r in corrupt if r.seq not in {known.seq for known in refused})
+            tried.add(manifest.seq)
             try:
-                manifest, refused = self.store.latest_valid(job_id, where=of_run(run))
-            except NoCheckpoint as exc:
-                raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
-        work = self.run_dir / f"restore-{manifest.seq}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(mode=0o700, parents=True)
-        try:
-            image_dir = images.download(self.store, manifest, work)
-            gid = pwd.getpwuid(uid).pw_gid
-            log = work / localfiles.LOG_ENTRY
-            localfiles.prepare_log(localfiles.log_path(self.config.paths.state_dir, job_id), uid, gid,
-                                   log.read_bytes() if log.exists() else None)
-            localfiles.put_back(work, uid, gid)
-            pid = self.criu.restore(image_dir)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+                pid, notices = self._restore_one(job_id, manifest, creds)
+                break
+            except RestoreRefused as exc:
+                if generation is not None:
+                    raise RequestError(f"checkpoint {manifest.seq} of node rank {self.rank} refused: "
+                                       f"{exc}") from exc
+                refused.append(store_refusal(manifest.seq, str(exc)))
         summary = summarize(manifest, time.monotonic() - started)
         refusals = [{"seq": r.seq, "reason": r.reason} for r in refused]
         self._index(lambda registry: registry.record_restore(job_id, self.node, manifest.seq,
@@ -224,8 +287,40 @@ class CheckpointEngine:
             **summary,
             "init_pid": pid,
             "refused": refusals,
+            "notices": notices,
             "waiter": lambda: _exit_status(os.waitpid(pid, 0)[1]),
         }
+
+    def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds) -> tuple[int, list[str]]:
+        """Put one checkpoint back and restore its tree, stopped; it continues only if it passes the
+        check of what it holds (else RestoreRefused, and the tree is gone)."""
+        work = self.run_dir / f"restore-{manifest.seq}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(mode=0o700, parents=True)
+        try:
+            image_dir = images.download(self.store, manifest, work)
+            log = work / localfiles.LOG_ENTRY
+            notices = localfiles.prepare_log(localfiles.log_path(self.config.paths.state_dir, job_id),
+                                             creds.uid, creds.gid,
+                                             log.read_bytes() if log.exists() else None)
+            notices += localfiles.put_back(work, creds, self.config.local_files).notices
+            pid = self.criu.restore(image_dir, leave_stopped=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        try:
+            pids = restorecheck.tree_pids(pid)
+            problems = restorecheck.check_tree(pid, creds.uid, creds.groups)
+        except BaseException:
+            _kill_restored(pid)
+            raise
+        if problems:
+            _kill_restored(pid)
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise RestoreRefused(f"the restored processes would hold what the job's user may not open: "
+                                 f"{problems[0]}{more}")
+        localfiles.tell_job(creds, localfiles.output_of(pid), notices, f"{NOTICE}restore: ")
+        restorecheck.signal_tree(pids, signal.SIGCONT)
+        return pid, notices
 
     # --- requeue ----------------------------------------------------------------------------------
 

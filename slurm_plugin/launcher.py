@@ -492,6 +492,8 @@ class Launcher:
                                timeout=None)
         except LaunchError as exc:
             if exc.kind == rpc.NoCheckpointFound.kind:
+                if " refused: " in str(exc):  # checkpoints were refused on the way: say which and why
+                    self.say(str(exc).removeprefix("restore: "))
                 self.say("no committed checkpoint: starting from the beginning")
                 return False
             raise

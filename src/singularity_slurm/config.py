@@ -94,6 +94,15 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
+class LocalFilesConfig:
+    """Bounds on the node-local files (and the file-log) a checkpoint carries."""
+
+    max_files: int = 1000  # files listed in the file-log that are carried; the rest are not
+    max_bytes: int = 1 << 30  # their total size; a file that would pass it is not carried
+    max_log_bytes: int = 16 << 20  # the file-log itself; only its first max_log_bytes are read
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     operators: tuple[str, ...] = ()  # user names that may checkpoint and migrate any job, like root
 
@@ -111,6 +120,7 @@ class Config:
     paths: PathsConfig
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    local_files: LocalFilesConfig = field(default_factory=LocalFilesConfig)
     source: Path | None = field(default=None, compare=False)
 
     def tier(self, name: str) -> TierConfig:
@@ -153,12 +163,18 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                                         "the most data one collective call moves (1..1048576)"),
     "proxy.max_rank_connections": (4, int, "connections one rank may hold to its proxy at once (1..64); "
                                            "a proxy serves at most this many per rank it serves"),
+    "local_files.max_files": (LocalFilesConfig.max_files, int,
+                              "node-local files (from the job's file-log) a checkpoint carries at most"),
+    "local_files.max_bytes": (LocalFilesConfig.max_bytes, int,
+                              "total bytes of node-local files a checkpoint carries at most"),
+    "local_files.max_log_bytes": (LocalFilesConfig.max_log_bytes, int,
+                                  "bytes of the job's file-log that are read at a checkpoint"),
     "admin.operators": ([], list, "user names that may checkpoint and migrate any user's job, like root "
                         "(they need read access to redis.password_file)"),
 }
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
-_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin"}
+_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 _USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 """A POSIX user name (as useradd accepts it); `root` needs no entry."""
@@ -274,6 +290,14 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         if not isinstance(name, str) or not _USER_NAME.fullmatch(name):
             raise ConfigError(f"admin.operators must list user names, got {name!r}")
 
+    local_raw = data.get("local_files", {})
+    _check_keys(local_raw, {"max_files", "max_bytes", "max_log_bytes"}, "local_files")
+    limits = {key: _take(local_raw, key, "local_files", int, KEYS[f"local_files.{key}"][0])
+              for key in ("max_files", "max_bytes", "max_log_bytes")}
+    for key, value in limits.items():
+        if not 0 <= value <= 1 << 50:
+            raise ConfigError(f"local_files.{key} must be 0..2**50, got {value}")
+
     return Config(
         default_tier=default_tier,
         tiers=tiers,
@@ -289,6 +313,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                           prefix=path("prefix")),
         proxy=proxy,
         admin=AdminConfig(operators=tuple(operators)),
+        local_files=LocalFilesConfig(**limits),
         source=source,
     )
 

@@ -135,7 +135,8 @@ def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
 
 def test_unknown_top_level_section_lists_valid_sections() -> None:
     assert config_error({"tier": {}}) == (
-        "unknown key(s) in [top level]: tier; valid keys: admin, paths, preemption, proxy, redis, tiers"
+        "unknown key(s) in [top level]: tier; valid keys: admin, local_files, paths, preemption, proxy, "
+        "redis, tiers"
     )
 
 
@@ -571,3 +572,23 @@ def test_unknown_admin_key_lists_valid_keys() -> None:
 ])
 def test_operators_that_are_not_user_names_are_refused(data: dict, message: str) -> None:
     assert config_error(data) == message
+
+
+def test_local_file_limits_default_and_override() -> None:
+    from singularity_slurm.config import LocalFilesConfig
+
+    assert parse({}).local_files == LocalFilesConfig(max_files=1000, max_bytes=1 << 30,
+                                                     max_log_bytes=16 << 20)
+    assert parse({"local_files": {"max_files": 3, "max_bytes": 10, "max_log_bytes": 0}}).local_files == (
+        LocalFilesConfig(max_files=3, max_bytes=10, max_log_bytes=0))
+    example = Path(__file__).parents[2] / "contrib" / "config" / "config.toml"
+    assert load(example).local_files == LocalFilesConfig()
+
+
+def test_local_file_limits_refuse_unknown_keys_and_bad_values() -> None:
+    assert config_error({"local_files": {"max_file": 3}}) == (
+        "unknown key(s) in [local_files]: max_file; valid keys: max_bytes, max_files, max_log_bytes")
+    assert config_error({"local_files": {"max_bytes": -1}}) == (
+        "local_files.max_bytes must be 0..2**50, got -1")
+    assert config_error({"local_files": {"max_files": "9"}}) == (
+        "local_files.max_files must be int, got '9' (str)")

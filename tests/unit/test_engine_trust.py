@@ -64,3 +64,23 @@ def test_a_folder_writable_by_group_or_others_is_refused(tmp_path: Path, mode: i
         engine_on(tmp_path)._check_trusted(JOB)
 
     assert f"(mode {mode:o})" in str(info.value)
+
+
+def test_a_store_root_owned_by_another_user_or_writable_by_others_is_refused(tmp_path: Path) -> None:
+    from singularity_slurm.errors import ConfigError
+    from singularity_slurm.node.engine import check_store_root
+
+    store = tmp_path / "store"
+    store.mkdir(mode=0o755)
+    check_store_root(store)
+    assert store.stat().st_mode & 0o777 == 0o700  # only the agents read checkpoints
+
+    os.chmod(store, 0o777)
+    with pytest.raises(ConfigError, match=r"must be a folder owned by root and not writable by group or "
+                                          r"others \(it is a folder, owner uid 0, mode 777\)"):
+        check_store_root(store)
+    os.chmod(store, 0o700)
+    os.chown(store, OTHER_UID, 0)
+    with pytest.raises(ConfigError, match=f"owner uid {OTHER_UID}, mode 700"):
+        check_store_root(store)
+    assert store.stat().st_mode & 0o777 == 0o700 and store.stat().st_uid == OTHER_UID  # left as it was

@@ -166,3 +166,17 @@ def test_a_refused_run_begin_does_not_use_up_a_position(tmp_path: Path) -> None:
 
     assert agent.handle({"op": "run_begin", "command": []}, 1000)["ok"] is False
     assert agent.handle({"op": "run_begin", "command": TRAIN}, 1000)["index"] == 0
+
+
+def test_save_writes_through_a_temp_name_of_its_own(tmp_path):
+    path = tmp_path / "job" / runs.FILE_NAME
+    path.parent.mkdir()
+    stale = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a pid-only name another writer could hold
+    stale.write_text("another writer's")
+    records, _ = runs.begin({}, 0, ["python", "a.py"])
+
+    runs.save(path, records)
+
+    assert runs.load(path) == records
+    assert stale.read_text() == "another writer's"
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, stale.name])

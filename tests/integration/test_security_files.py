@@ -1,0 +1,209 @@
+"""Attacks on the root side of node-local files and of CRIU restore, run as the job user.
+
+The job (jobuser, through sbatch and `singularityctl run`) swaps its file-log, its tracked /tmp files
+and their folders for symlinks to root-only files, FIFOs, /dev/zero and jobuser2's files, around a
+checkpoint and a restore, and keeps an fd on a file whose path it then points at a root-only file
+before the restore. Each test asserts that the agent stays responsive, the job completes or fails
+with a clear message, and nothing of root or of jobuser2 changed.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import CTL, run_as
+
+from singularity_slurm.checkpoint.store import CheckpointStore
+
+PYTHON = str(Path(CTL).with_name("python"))
+
+JOB = f"""#!/bin/bash
+#SBATCH --singularity-sla=basic
+#SBATCH --gres=gpu:4
+#SBATCH -o job.out
+{CTL} run -- {PYTHON} job.py {{args}}
+"""
+
+
+def _fingerprint(path: Path) -> tuple:
+    st = os.lstat(path)
+    data = path.read_bytes() if path.is_file() and not path.is_symlink() else None
+    return st.st_uid, st.st_gid, st.st_mode, data
+
+
+@pytest.fixture
+def victims(other_user: pwd.struct_passwd) -> Iterator[dict[str, Path]]:
+    """A root-only 0600 file and a folder and file of jobuser2, to be aimed at by the job."""
+    other = other_user
+    tag = uuid.uuid4().hex[:8]
+    root_file = Path(f"/tmp/sec-root-{tag}")
+    root_file.write_text("ROOT-SECRET\n")
+    os.chmod(root_file, 0o600)
+    other_dir = Path(f"/tmp/sec-other-{tag}")
+    other_dir.mkdir()
+    os.chown(other_dir, other.pw_uid, other.pw_gid)
+    os.chmod(other_dir, 0o777)  # writable by the job user: only the owner check keeps it out
+    other_file = other_dir / "theirs.txt"
+    other_file.write_text("jobuser2's\n")
+    os.chown(other_file, other.pw_uid, other.pw_gid)
+    os.chmod(other_file, 0o666)
+    paths = {"root": root_file, "other_dir": other_dir, "other_file": other_file}
+    before = {name: _fingerprint(path) for name, path in paths.items()}
+    yield paths
+    after = {name: _fingerprint(path) for name, path in paths.items()}
+    assert sorted(os.listdir(other_dir)) == ["theirs.txt"], "something was written into jobuser2's folder"
+    shutil.rmtree(other_dir, ignore_errors=True)
+    root_file.unlink(missing_ok=True)
+    assert after == before, "a file of root or of jobuser2 changed"
+
+
+def _wait_text(jobs, job_id: int, log: Path, text: str, timeout: float = 120) -> None:
+    jobs.wait(job_id, lambda r: log.exists() and text in log.read_text(), f"printing {text!r}", timeout)
+
+
+def _agent_answers(job_id: int, user: str) -> None:
+    started = time.monotonic()
+    proc = run_as(user, [CTL, "status", str(job_id)])
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 30
+
+
+LOG_SWAP = """
+import os, sys, time
+kind, target = sys.argv[1], sys.argv[2]
+folder = "/tmp/sec-job-" + os.environ["SLURM_JOB_ID"]
+os.makedirs(folder, exist_ok=True)
+with open(folder + "/data.txt", "w") as f:
+    f.write("mine\\n")
+log = os.environ["SINGULARITY_FILELOG"]
+os.unlink(log)
+if kind == "symlink":
+    os.symlink(target, log)
+elif kind == "fifo":
+    os.mkfifo(log)
+else:
+    os.symlink("/dev/zero", log)
+print("swapped", kind, flush=True)
+for step in range(60):
+    time.sleep(0.25)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "dev_zero"])
+def test_a_file_log_swapped_for_a_root_file_fifo_or_dev_zero_is_refused(jobs, job_user, victims, kind):
+    jobs.script("job.py", LOG_SWAP)
+    job_id = jobs.submit(jobs.script("job.sh", JOB.format(args=f"{kind} {victims['root']}")))
+    log = jobs.wait_for_file("job.out")
+    _wait_text(jobs, job_id, log, "swapped")
+
+    started = time.monotonic()
+    proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 45, "the checkpoint blocked on the file-log"
+    _agent_answers(job_id, job_user.pw_name)
+    jobs.wait_state(job_id, "COMPLETED", timeout=120)
+
+    text = log.read_text()
+    assert "done" in text
+    assert "[singularity] checkpoint " in text and "files.log is a " in text, text
+    assert "ROOT-SECRET" not in text
+    shutil.rmtree(f"/tmp/sec-job-{job_id}", ignore_errors=True)
+
+
+TRACKED = """
+import os, sys, time
+folder = "/tmp/sec-job-" + os.environ["SLURM_JOB_ID"]
+os.makedirs(folder + "/sub", exist_ok=True)
+for name in ("a.txt", "fifo.txt", "sub/b.txt", "theirs.txt"):
+    if not os.path.islink(folder + "/" + name):
+        with open(folder + "/" + name, "w") as f:
+            f.write("mine " + name + "\\n")
+print("wrote", flush=True)
+for step in range(80):
+    time.sleep(0.25)
+    print("step", step, flush=True)
+print("done", flush=True)
+"""
+
+
+def _new_checkpoint(config, job_id: int, known: int, timeout: float = 120) -> None:
+    store = CheckpointStore(config.paths.store_root)
+    deadline = time.monotonic() + timeout
+    while len(store.seqs(job_id)) <= known:
+        assert time.monotonic() < deadline, "no checkpoint was committed"
+        time.sleep(0.05)
+
+
+def test_tracked_tmp_files_swapped_before_a_restore_are_not_written_through(jobs, job_user, victims, config):
+    jobs.script("job.py", TRACKED)
+    job_id = jobs.submit(jobs.script("job.sh", JOB.format(args="")))
+    log = jobs.wait_for_file("job.out")
+    _wait_text(jobs, job_id, log, "step 4\n")
+    folder = Path(f"/tmp/sec-job-{job_id}")
+
+    proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id), "--no-wait"])
+    assert proc.returncode == 0, proc.stderr
+    _new_checkpoint(config, job_id, 0)
+    # Between the dump and the restore, the job's user swaps what the restore will write to.
+    swap = (f"cd {folder} && rm -f a.txt fifo.txt theirs.txt && ln -s {victims['root']} a.txt && "
+            f"mkfifo fifo.txt && ln -s {victims['other_file']} theirs.txt && rm -rf sub && "
+            f"ln -s {victims['other_dir']} sub")
+    assert run_as(job_user.pw_name, ["sh", "-c", swap]).returncode == 0
+    _wait_text(jobs, job_id, log, "restored checkpoint")
+    _agent_answers(job_id, job_user.pw_name)
+    jobs.wait_state(job_id, "COMPLETED", timeout=120)
+
+    text = log.read_text()
+    assert "done" in text
+    for name, why in (("a.txt", "is a symlink"), ("fifo.txt", "is a FIFO or device"),
+                      ("theirs.txt", "is a symlink"), ("sub", "is a symlink or not a folder")):
+        assert f"not put back: {folder / name} {why}" in text, text
+    assert (folder / "fifo.txt").is_fifo() and (folder / "a.txt").is_symlink()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+HOLDER = """
+import os, time
+path = os.path.join(os.getcwd(), "held.txt")  # under the user's home: not a tracked node-local file
+if os.path.islink(path):
+    os.unlink(path)
+with open(path, "w") as f:
+    f.write("my own data\\n")
+os.chmod(path, 0o600)  # the size and mode of the root file: CRIU's own checks of both then pass
+fd = os.open(path, os.O_RDONLY)
+for step in range(80):
+    print("step", step, "held:", os.pread(fd, 64, 0), flush=True)
+    time.sleep(0.25)
+print("done", flush=True)
+"""
+
+
+def test_an_fd_whose_path_was_swapped_for_a_root_file_is_not_restored(jobs, job_user, victims, config):
+    jobs.script("job.py", HOLDER)
+    job_id = jobs.submit(jobs.script("job.sh", JOB.format(args="")))
+    log = jobs.wait_for_file("job.out")
+    _wait_text(jobs, job_id, log, "step 4 ")
+    held = jobs.workdir / "held.txt"
+
+    proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id), "--no-wait"])
+    assert proc.returncode == 0, proc.stderr
+    _new_checkpoint(config, job_id, 0)
+    assert run_as(job_user.pw_name, ["ln", "-sfn", str(victims["root"]), str(held)]).returncode == 0
+    _wait_text(jobs, job_id, log, "restart 1: restoring")
+    _agent_answers(job_id, job_user.pw_name)
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    text = log.read_text()
+    assert "ROOT-SECRET" not in text, "the restored job read the root-only file through its fd"
+    assert "no committed checkpoint: starting from the beginning" in text
+    assert "the restored processes would hold what the job's user may not open" in text, text
+    assert f"on {victims['root']}: the job's user (uid {job_user.pw_uid}) may not read it" in text
+    assert "done" in text
