@@ -36,7 +36,7 @@ def run(env: dict[str, str]) -> int:
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
         log.info("stopped services %s, removed %s", stopped or "none", run_dir)
-    shutil.rmtree(localfiles.log_path(config.paths.state_dir, job.job_id).parent, ignore_errors=True)
+    shutil.rmtree(localfiles.log_path(config.paths.filelog_dir, job.job_id).parent, ignore_errors=True)
     ranksock.remove_job_folder(config.paths.state_dir, job.job_id)  # what a proxy that died left
     try:
         Registry(connect(config.redis)).record_node_end(job.job_id, job.node, time.time())

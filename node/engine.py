@@ -174,7 +174,7 @@ class CheckpointEngine:
                                f"serves job {job_id}; run `singularityctl run` inside job {named[0]} "
                                "itself")
         gid = pwd.getpwuid(uid).pw_gid
-        log = localfiles.log_path(self.config.paths.state_dir, job_id)
+        log = localfiles.log_path(self.config.paths.filelog_dir, job_id)
         notices = localfiles.prepare_log(log, uid, gid)
         localfiles.tell_job(UserCreds.of_uid(uid), output, notices, NOTICE)
         env = {**env, **filelog.env_for(filelog_shim_path(self.config.paths.prefix), log,
@@ -216,7 +216,7 @@ class CheckpointEngine:
         creds = UserCreds.of_uid(uid)
         copies = work.with_name(work.name + "-local")
         try:
-            local = localfiles.collect(localfiles.log_path(self.config.paths.state_dir, job_id), creds,
+            local = localfiles.collect(localfiles.log_path(self.config.paths.filelog_dir, job_id), creds,
                                        copies, self.config.local_files)
             manifest = images.upload(self.store, job_id, work, reason, {
                 "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
@@ -300,7 +300,7 @@ class CheckpointEngine:
         try:
             image_dir = images.download(self.store, manifest, work)
             log = work / localfiles.LOG_ENTRY
-            notices = localfiles.prepare_log(localfiles.log_path(self.config.paths.state_dir, job_id),
+            notices = localfiles.prepare_log(localfiles.log_path(self.config.paths.filelog_dir, job_id),
                                              creds.uid, creds.gid,
                                              log.read_bytes() if log.exists() else None)
             notices += localfiles.put_back(work, creds, self.config.local_files).notices

@@ -50,9 +50,14 @@ class Outcome:
             self.notices.append("(more notices left out)")
 
 
-def log_path(state_dir: Path, job_id: int) -> Path:
-    """The job's file log: one path for the job on every node, so restored processes find it."""
-    return state_dir / "filelog" / str(job_id) / LOG_NAME
+def log_path(filelog_dir: Path, job_id: int) -> Path:
+    """The job's file log: one path for the job on every node, so restored processes find it.
+
+    The folder is the job's user's, so the job can write there as much as it likes: `filelog_dir`
+    (`paths.filelog_dir`) lies on disk, not on the size-limited tmpfs that /run is on most systems,
+    which the node's own daemons need.
+    """
+    return filelog_dir / str(job_id) / LOG_NAME
 
 
 def timeout_for(total_bytes: int) -> float:
@@ -75,7 +80,7 @@ def sanitize(text: str) -> str:
 
 
 def _job_folder(folder: Path, uid: int, gid: int) -> None:
-    """state_dir/filelog/<job>, owned by the job's user; every folder above it is root's."""
+    """filelog_dir/<job>, owned by the job's user; every folder above it is root's."""
     folder.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     try:
         os.mkdir(folder, 0o700)

@@ -78,6 +78,8 @@ class PathsConfig:
     state_dir: Path  # node-local state: pid files, sockets (one sub-folder per node and job)
     store_root: Path  # shared checkpoint store
     prefix: Path  # install prefix: venv, criu, SPANK plugin
+    # node-local folder of the jobs' file-logs (written by the jobs: on disk, not on the tmpfs /run)
+    filelog_dir: Path = Path("/var/lib/singularity-slurm/filelog")
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,8 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "paths.state_dir": ("/run/singularity-slurm", str, "node-local state (pid files, sockets)"),
     "paths.store_root": ("/var/lib/singularity-slurm/store", str, "shared checkpoint store"),
     "paths.prefix": ("/opt/singularity-slurm", str, "install prefix (venv, criu, SPANK plugin)"),
+    "paths.filelog_dir": ("/var/lib/singularity-slurm/filelog", str,
+                          "node-local folder of the jobs' file-logs (jobs write there: keep it off /run)"),
     "proxy.backend": ("host", str, "device backend of the device proxies (host: CPU memory)"),
     "proxy.cpu_slots": (1, int, "device proxies per node for a job without GPUs"),
     "proxy.cut_timeout": (60, int, "seconds a checkpoint waits for the distributed cut; keep < warn_time"),
@@ -254,7 +258,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"redis.port must be 1..65535, got {port}")
 
     paths_raw = data.get("paths", {})
-    _check_keys(paths_raw, {"state_dir", "store_root", "prefix"}, "paths")
+    _check_keys(paths_raw, {"state_dir", "store_root", "prefix", "filelog_dir"}, "paths")
 
     def path(key: str) -> Path:
         value = Path(_take(paths_raw, key, "paths", str, KEYS[f"paths.{key}"][0]))
@@ -310,7 +314,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                                      KEYS["redis.password_file"][0])),
         ),
         paths=PathsConfig(state_dir=path("state_dir"), store_root=path("store_root"),
-                          prefix=path("prefix")),
+                          prefix=path("prefix"), filelog_dir=path("filelog_dir")),
         proxy=proxy,
         admin=AdminConfig(operators=tuple(operators)),
         local_files=LocalFilesConfig(**limits),

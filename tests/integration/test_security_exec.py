@@ -167,7 +167,7 @@ def test_forged_identity_in_requests_and_step_environments_changes_nothing(jobs,
 #SBATCH -o victim.out
 {CTL} run -- sleep 300
 """))
-    victim_log = localfiles.log_path(state_dir, victim)
+    victim_log = localfiles.log_path(config.paths.filelog_dir, victim)
     other_jobs.wait(victim, lambda r: victim_log.exists(), "starting its tree", timeout=120)
     before = victim_log.parent.stat(), victim_log.stat(), victim_log.read_bytes()
 

@@ -154,7 +154,7 @@ def test_unknown_preemption_key_lists_valid_keys() -> None:
 
 def test_unknown_paths_key_lists_valid_keys() -> None:
     assert config_error({"paths": {"store": "/x"}}) == (
-        "unknown key(s) in [paths]: store; valid keys: prefix, state_dir, store_root"
+        "unknown key(s) in [paths]: store; valid keys: filelog_dir, prefix, state_dir, store_root"
     )
 
 
@@ -592,3 +592,9 @@ def test_local_file_limits_refuse_unknown_keys_and_bad_values() -> None:
         "local_files.max_bytes must be 0..2**50, got -1")
     assert config_error({"local_files": {"max_files": "9"}}) == (
         "local_files.max_files must be int, got '9' (str)")
+
+
+def test_file_logs_default_to_a_disk_folder_off_run_and_may_be_moved() -> None:
+    assert parse({}).paths.filelog_dir == Path("/var/lib/singularity-slurm/filelog")
+    assert parse({"paths": {"filelog_dir": "/srv/filelog"}}).paths.filelog_dir == Path("/srv/filelog")
+    assert "paths.filelog_dir must be an absolute path" in config_error({"paths": {"filelog_dir": "rel"}})
