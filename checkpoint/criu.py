@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -147,28 +149,85 @@ class Criu:
             os.close(fd)
         return DumpResult(images_dir, pid, leave_running)
 
-    def restore(self, images_dir: Path, leave_stopped: bool = False) -> int:
+    def restore(self, images_dir: Path, check: Callable[[int], str | None] | None = None) -> int:
         """Restore the tree as a child of this process; returns the pid of its root (the ns init).
 
-        With `leave_stopped` every task of the tree stays stopped (SIGSTOP) until sent SIGCONT.
+        `check(root_pid)` runs once every task is restored but before any of them runs or gets the
+        job's credentials back (criu's post-restore notification: the tasks still belong to root,
+        so the job's user can neither signal, trace nor take descriptors from them). A message from
+        it aborts the restore: criu kills the tree, and RestoreRefused carries the message.
         """
         pycriu, client = self._client()
+        from pycriu import rpc_pb2 as rpc
+
         fd = os.open(images_dir, os.O_DIRECTORY)
+        req = rpc.criu_req()
+        req.type = rpc.RESTORE
+        req.opts.images_dir_fd = fd
+        req.opts.log_file = "restore.log"
+        req.opts.log_level = 4
+        req.opts.root = "/"
+        req.opts.rst_sibling = True
+        req.opts.file_locks = True
+        req.opts.notify_scripts = check is not None
+        root_pid = 0
+        refusal: str | None = None
         try:
-            client.opts.images_dir_fd = fd
-            client.opts.log_file = "restore.log"
-            client.opts.log_level = 4
-            client.opts.root = "/"
-            client.opts.rst_sibling = True
-            client.opts.leave_stopped = leave_stopped
-            client.opts.file_locks = True
             try:
-                response = client.restore()
-            except pycriu.CRIUException as exc:
-                raise CheckpointError(
-                    f"criu restore from {images_dir} failed: {exc}\n"
-                    f"{_log_tail(images_dir / 'restore.log')}"
-                ) from exc
+                sock = client._comm.connect(False)
+                try:
+                    sock.send(req.SerializeToString())
+                    while True:
+                        resp = _receive(sock, rpc)
+                        if resp.type != rpc.NOTIFY:
+                            break
+                        root_pid = resp.notify.pid or root_pid
+                        ok = True
+                        if resp.notify.script == "post-restore" and check is not None:
+                            try:
+                                refusal = check(root_pid) if root_pid else "criu named no restored task"
+                            except Exception as exc:  # the tree must not run unchecked
+                                refusal = f"the restored tree could not be checked: {exc}"
+                            ok = refusal is None
+                        ack = rpc.criu_req()
+                        ack.type = rpc.NOTIFY
+                        ack.notify_success = ok
+                        sock.send(ack.SerializeToString())
+                finally:
+                    client._comm.disconnect()
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"criu restore from {images_dir}: lost criu: {exc}") from exc
         finally:
             os.close(fd)
-        return response.pid
+        if refusal is not None:
+            _reap(root_pid)
+            raise RestoreRefused(refusal)
+        if not resp.success:
+            _reap(root_pid)
+            raise CheckpointError(
+                f"criu restore from {images_dir} failed (errno {resp.cr_errno})\n"
+                f"{_log_tail(images_dir / 'restore.log')}"
+            )
+        return resp.restore.pid
+
+
+class RestoreRefused(CheckpointError):
+    """The restored tree held what its user may not open: criu killed it before it ran."""
+
+
+def _receive(sock, rpc):
+    """One message from criu's RPC socket (SOCK_SEQPACKET: one message per recv)."""
+    size = len(sock.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+    resp = rpc.criu_resp()
+    resp.ParseFromString(sock.recv(size))
+    return resp
+
+
+def _reap(pid: int) -> None:
+    """Collect a restored root criu killed (a child of this process, by rst_sibling)."""
+    if pid <= 0:
+        return
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass

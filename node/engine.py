@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import redis
 
 from singularity_slurm import rootexec
 from singularity_slurm.checkpoint import images
-from singularity_slurm.checkpoint.criu import Criu, filelog_shim_path, wrapper_path
+from singularity_slurm.checkpoint.criu import Criu, RestoreRefused, filelog_shim_path, wrapper_path
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import Registry, connect
@@ -87,23 +86,10 @@ def of_run(run: str | None) -> Callable[[Manifest], bool]:
 NOTICE = "[singularity] "
 
 
-class RestoreRefused(CheckpointError):
-    """A restored tree held a file, mapping or folder its user could not open; it was killed."""
-
-
 def store_refusal(seq: int, reason: str) -> Any:
     from singularity_slurm.checkpoint.store import Refusal
 
     return Refusal(seq, reason)
-
-
-def _kill_restored(pid: int) -> None:
-    """SIGKILL a restored (stopped) namespace init, which ends its namespace, and reap it."""
-    jobtree.kill_tree(pid)
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def check_store_root(path: Path) -> None:
@@ -292,8 +278,8 @@ class CheckpointEngine:
         }
 
     def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds) -> tuple[int, list[str]]:
-        """Put one checkpoint back and restore its tree, stopped; it continues only if it passes the
-        check of what it holds (else RestoreRefused, and the tree is gone)."""
+        """Put one checkpoint back and restore its tree; it runs only if what it holds passes the
+        check (else RestoreRefused, and criu has killed the tree)."""
         work = self.run_dir / f"restore-{manifest.seq}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(mode=0o700, parents=True)
@@ -304,22 +290,24 @@ class CheckpointEngine:
                                              creds.uid, creds.gid,
                                              log.read_bytes() if log.exists() else None)
             notices += localfiles.put_back(work, creds, self.config.local_files).notices
-            pid = self.criu.restore(image_dir, leave_stopped=True)
+            # criu's own descriptors (its log, the images folder) are still open in the tasks then
+            own = {(st.st_dev, st.st_ino) for st in (os.stat(image_dir), os.stat(work))}
+
+            def check(pid: int) -> str | None:
+                log_file = image_dir / "restore.log"
+                ignore = own | ({(os.stat(log_file).st_dev, os.stat(log_file).st_ino)}
+                                if log_file.exists() else set())
+                problems = restorecheck.check_tree(pid, creds.uid, creds.groups, ignore=ignore)
+                if not problems:
+                    return None
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                return (f"the restored processes would hold what the job's user may not open: "
+                        f"{problems[0]}{more}")
+
+            pid = self.criu.restore(image_dir, check=check)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        try:
-            pids = restorecheck.tree_pids(pid)
-            problems = restorecheck.check_tree(pid, creds.uid, creds.groups)
-        except BaseException:
-            _kill_restored(pid)
-            raise
-        if problems:
-            _kill_restored(pid)
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise RestoreRefused(f"the restored processes would hold what the job's user may not open: "
-                                 f"{problems[0]}{more}")
         localfiles.tell_job(creds, localfiles.output_of(pid), notices, f"{NOTICE}restore: ")
-        restorecheck.signal_tree(pids, signal.SIGCONT)
         return pid, notices
 
     # --- requeue ----------------------------------------------------------------------------------

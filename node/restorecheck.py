@@ -3,12 +3,15 @@
 CRIU restores as root and reopens every file, mapping and working folder of the image by its path.
 A job can aim that at files its user may not open: it keeps an fd on a file of its own, and before
 the restore swaps the path (or a folder on it) for a symlink to /etc/shadow. Checking the image
-before the restore leaves a gap between check and use; so the tree is restored stopped (CRIU's
-leave_stopped), and before any of its tasks runs, `check_tree` looks at what each one actually got:
+before the restore leaves a gap between check and use; so `check_tree` runs at CRIU's post-restore
+notification, when every task is restored but still root's (its credentials come back later), so
+the job's user can neither run, signal, trace nor take descriptors from it, and looks at what each
+task actually got:
 the inode behind every fd (/proc/PID/task/TID/fd/N, which stat follows to the inode itself), every
 file mapping (/proc/PID/map_files), the working and root folders. For each, the job's user needs the
 access the fd's flags or the mapping ask for, by the inode's mode bits, and search access to every
-folder above its real path. If anything fails the tree is killed; otherwise it continues.
+folder above its real path. If anything fails, CRIU aborts the restore and kills the tree;
+otherwise it continues.
 
 Only the owner/group/other mode bits are read: an ACL that grants more than the bits is not honoured
 (the checkpoint is refused, never wrongly accepted).
@@ -17,7 +20,6 @@ Only the owner/group/other mode bits are read: an ACL that grants more than the 
 from __future__ import annotations
 
 import os
-import signal
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -149,9 +151,10 @@ def _tasks(pid: int) -> list[str]:
 
 
 class _Checker:
-    def __init__(self, uid: int, gids: Iterable[int]):
+    def __init__(self, uid: int, gids: Iterable[int], ignore: Iterable[tuple[int, int]] = ()):
         self.uid = uid
         self.gids = set(gids)
+        self.ignore = set(ignore)  # (st_dev, st_ino) of criu's own files, open in tasks it restores
         self.problems: list[Problem] = []
 
     def refuse(self, pid: int, what: str, path: str, reason: str) -> None:
@@ -164,6 +167,8 @@ class _Checker:
             st = os.stat(magic)
         except OSError as exc:
             self.refuse(pid, what, name, f"cannot be examined ({exc.strerror})")
+            return
+        if (st.st_dev, st.st_ino) in self.ignore:
             return
         if not may_access(st.st_mode, st.st_uid, st.st_gid, self.uid, self.gids, read, write, execute):
             want = "/".join(w for w, on in (("read", read), ("write", write), ("search", execute)) if on)
@@ -232,20 +237,14 @@ class _Checker:
                        mapping.path, read, write)
 
 
-def check_tree(init_pid: int, uid: int, gids: Iterable[int]) -> list[Problem]:
-    """Everything in the (stopped) tree under `init_pid` its user could not have opened."""
-    checker = _Checker(uid, gids)
+def check_tree(init_pid: int, uid: int, gids: Iterable[int],
+               ignore: Iterable[tuple[int, int]] = ()) -> list[Problem]:
+    """Everything in the tree under `init_pid` its user could not have opened (`ignore`: the
+    (st_dev, st_ino) of files criu itself holds open in the tasks while it restores them)."""
+    checker = _Checker(uid, gids, ignore)
     pids = tree_pids(init_pid)
     for pid in pids:
         for tid in _tasks(pid):
             checker.task(pid, tid)
         checker.maps(pid)
     return checker.problems
-
-
-def signal_tree(pids: Iterable[int], sig: int = signal.SIGCONT) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass

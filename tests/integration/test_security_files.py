@@ -170,6 +170,63 @@ def test_tracked_tmp_files_swapped_before_a_restore_are_not_written_through(jobs
     shutil.rmtree(folder, ignore_errors=True)
 
 
+CHECKPOINT_SWAP = """
+import os, sys, time
+root_file, other_dir = sys.argv[1], sys.argv[2]
+folder = "/tmp/sec-job-" + os.environ["SLURM_JOB_ID"]
+os.makedirs(folder + "/sub", exist_ok=True)
+os.chmod(folder, 0o777)  # jobuser2 may put a file of its own in here
+for name in ("a.txt", "fifo.txt", "theirs.txt", "sub/b.txt", "shared.txt", "kept.txt"):
+    with open(folder + "/" + name, "w") as f:
+        f.write("mine " + name + "\\n")
+os.unlink(folder + "/a.txt")
+os.symlink(root_file, folder + "/a.txt")
+os.unlink(folder + "/fifo.txt")
+os.mkfifo(folder + "/fifo.txt")
+os.unlink(folder + "/theirs.txt")
+os.symlink(other_dir + "/theirs.txt", folder + "/theirs.txt")
+os.unlink(folder + "/sub/b.txt")
+os.rmdir(folder + "/sub")
+os.symlink(other_dir, folder + "/sub")
+print("swapped", flush=True)
+for step in range(60):
+    time.sleep(0.25)
+print("done", flush=True)
+"""
+
+
+def test_tracked_tmp_files_swapped_before_a_checkpoint_are_not_carried(jobs, job_user, other_user, victims,
+                                                                        config):
+    jobs.script("job.py", CHECKPOINT_SWAP)
+    job_id = jobs.submit(jobs.script("job.sh", JOB.format(args=f"{victims['root']} {victims['other_dir']}")))
+    log = jobs.wait_for_file("job.out")
+    _wait_text(jobs, job_id, log, "swapped")
+    folder = Path(f"/tmp/sec-job-{job_id}")
+    # Another user replaces one of the job's files with a file of its own.
+    replace = f"rm -f {folder}/shared.txt && echo jobuser2 > {folder}/shared.txt"
+    assert run_as(other_user.pw_name, ["sh", "-c", replace]).returncode == 0
+
+    started = time.monotonic()
+    proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 45, "the checkpoint blocked on a tracked file"
+    _agent_answers(job_id, job_user.pw_name)
+    jobs.wait_state(job_id, "COMPLETED", timeout=120)
+
+    text = log.read_text()
+    assert "done" in text and "ROOT-SECRET" not in text
+    for notice in (f"not carried: {folder}/a.txt is a symlink",
+                   f"not carried: {folder}/fifo.txt is a FIFO, not a regular file",
+                   f"not carried: {folder}/theirs.txt is a symlink",
+                   f"not carried: {folder}/sub is a symlink or not a folder",
+                   f"not carried: {folder}/shared.txt belongs to uid {other_user.pw_uid}"):
+        assert notice in text, text
+    manifest = CheckpointStore(config.paths.store_root).list(job_id)[-1]
+    assert [f for f in manifest.meta["local_files"] if f.startswith(f"files{folder}/")] == [
+        f"files{folder}/kept.txt"]
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 HOLDER = """
 import os, time
 path = os.path.join(os.getcwd(), "held.txt")  # under the user's home: not a tracked node-local file

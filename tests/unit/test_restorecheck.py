@@ -7,6 +7,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,10 +106,16 @@ def root_dir() -> Iterator[Path]:
 
 
 def holding(user: pwd.struct_passwd, fd: int | None = None) -> subprocess.Popen:
-    """A process of `user` that holds `fd` (opened by root, as a restore would)."""
-    return subprocess.Popen(["sleep", "60"], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
+    """A process of `user` that holds `fd` (opened by root, as a restore would), once it runs `sleep`
+    (before its exec it is still a copy of this process, holding what this process holds)."""
+    proc = subprocess.Popen(["sleep", "60"], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
                             pass_fds=[fd] if fd is not None else [], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+    deadline = time.monotonic() + 30
+    while not os.readlink(f"/proc/{proc.pid}/exe").endswith("/sleep"):
+        assert time.monotonic() < deadline, "sleep did not start"
+        time.sleep(0.005)
+    return proc
 
 
 def check(proc: subprocess.Popen, user: pwd.struct_passwd) -> list[restorecheck.Problem]:
