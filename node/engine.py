@@ -285,6 +285,12 @@ class CheckpointEngine:
         work.mkdir(mode=0o700, parents=True)
         try:
             image_dir = images.download(self.store, manifest, work)
+            risks = restorecheck.check_images(image_dir)
+            if risks:
+                more = f" (and {len(risks) - 1} more)" if len(risks) > 1 else ""
+                raise RestoreRefused(f"it holds {risks[0]}{more}, which criu would create again as root "
+                                     "at a path the job's user controls; keep such files and sockets "
+                                     "in /dev/shm (private to the job)")
             log = work / localfiles.LOG_ENTRY
             notices = localfiles.prepare_log(localfiles.log_path(self.config.paths.filelog_dir, job_id),
                                              creds.uid, creds.gid,

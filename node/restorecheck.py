@@ -248,3 +248,58 @@ def check_tree(init_pid: int, uid: int, gids: Iterable[int],
             checker.task(pid, tid)
         checker.maps(pid)
     return checker.problems
+
+
+# --- the images, before CRIU touches anything -------------------------------------------------------
+
+PRIVATE_PREFIXES = ("/dev/shm/",)
+"""Where CRIU may re-create files by path: the tree's own /dev/shm, a tmpfs private to its mount
+namespace, which no process outside the restored (and, while restoring, root's) tree can reach."""
+
+
+def _text(name: object) -> str:
+    """A name as pycriu decodes it (bytes with a trailing NUL come back as text ending in '=00')."""
+    if isinstance(name, bytes):
+        return name.split(b"\0", 1)[0].decode(errors="replace")
+    text = str(name)
+    return text[:-3] if text.endswith("=00") else text
+
+
+def image_risks(files: Iterable[dict], remaps: Iterable[dict]) -> list[str]:
+    """What in a checkpoint CRIU would re-create as root at a path its user controls.
+
+    A unix socket bound to a path is bound again, then chowned and chmodded by that path; a deleted
+    file still open (a ghost) or one kept through a link-remap is created again by its path. The
+    job's user could swap a folder on that path for a symlink while the restore runs and have root
+    change the owner or mode of, or unlink, any file (`files`: files.img entries, `remaps`:
+    remap-fpath.img entries, as pycriu loads them). Paths under PRIVATE_PREFIXES are safe.
+    """
+    entries = {entry.get("id"): entry for entry in files}
+    risks = []
+    for entry in entries.values():
+        if entry.get("type") == "UNIXSK":
+            name = _text(entry.get("usk", {}).get("name", ""))
+            if name.startswith("/") and not name.startswith(PRIVATE_PREFIXES):
+                risks.append(f"a unix socket bound at {name}")
+    for remap in remaps:
+        if remap.get("remap_type") not in ("GHOST", "LINKED"):
+            continue
+        entry = entries.get(remap.get("orig_id"), {})
+        name = _text(entry.get("reg", {}).get("name", "?"))
+        if not name.startswith(PRIVATE_PREFIXES):
+            risks.append(f"a deleted file still open at {name}")
+    return risks
+
+
+def check_images(image_dir: Path) -> list[str]:
+    """`image_risks` of the images in `image_dir` (read with pycriu)."""
+    from pycriu import images
+
+    def load(name: str) -> list[dict]:
+        try:
+            with open(image_dir / name, "rb") as handle:
+                return list(images.load(handle)["entries"])
+        except FileNotFoundError:
+            return []
+
+    return image_risks(load("files.img"), load("remap-fpath.img"))

@@ -227,6 +227,44 @@ def test_tracked_tmp_files_swapped_before_a_checkpoint_are_not_carried(jobs, job
     shutil.rmtree(folder, ignore_errors=True)
 
 
+PATH_BOUND = """
+import os, socket, time
+folder = "/tmp/sec-job-" + os.environ["SLURM_JOB_ID"]
+os.makedirs(folder, exist_ok=True)
+if os.path.exists(folder + "/x.sock"):
+    os.unlink(folder + "/x.sock")
+sock = socket.socket(socket.AF_UNIX)
+sock.bind(folder + "/x.sock")
+sock.listen()
+ghost = open(folder + "/ghost", "w")
+os.unlink(folder + "/ghost")
+for step in range(40):
+    print("step", step, flush=True)
+    time.sleep(0.25)
+print("done", flush=True)
+"""
+
+
+def test_a_socket_bound_or_a_deleted_file_open_under_a_user_folder_is_not_restored(jobs, job_user, config):
+    """CRIU would bind the socket and create the deleted file again as root, by their paths, and
+    then change their owner and mode by path: the job's user could aim that at any file."""
+    jobs.script("job.py", PATH_BOUND)
+    job_id = jobs.submit(jobs.script("job.sh", JOB.format(args="")))
+    log = jobs.wait_for_file("job.out")
+    _wait_text(jobs, job_id, log, "step 4\n")
+    folder = Path(f"/tmp/sec-job-{job_id}")
+
+    proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id), "--no-wait"])
+    assert proc.returncode == 0, proc.stderr
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    text = log.read_text()
+    assert f"refused: it holds a unix socket bound at {folder}/x.sock (and 1 more)" in text, text
+    assert "no committed checkpoint: starting from the beginning" in text
+    assert text.count("step 0\n") == 2 and "done" in text
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 HOLDER = """
 import os, time
 path = os.path.join(os.getcwd(), "held.txt")  # under the user's home: not a tracked node-local file

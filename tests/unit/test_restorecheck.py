@@ -105,14 +105,17 @@ def root_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+NANOSLEEP = ("35", "230")  # x86_64 nanosleep, clock_nanosleep
+
+
 def holding(user: pwd.struct_passwd, fd: int | None = None) -> subprocess.Popen:
-    """A process of `user` that holds `fd` (opened by root, as a restore would), once it runs `sleep`
-    (before its exec it is still a copy of this process, holding what this process holds)."""
+    """A process of `user` that holds `fd` (opened by root, as a restore would), once `sleep` sleeps
+    (before its exec it is a copy of this process, and while it starts it opens files of its own)."""
     proc = subprocess.Popen(["sleep", "60"], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
                             pass_fds=[fd] if fd is not None else [], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
     deadline = time.monotonic() + 30
-    while not os.readlink(f"/proc/{proc.pid}/exe").endswith("/sleep"):
+    while Path(f"/proc/{proc.pid}/syscall").read_text().split()[0] not in NANOSLEEP:
         assert time.monotonic() < deadline, "sleep did not start"
         time.sleep(0.005)
     return proc
@@ -168,3 +171,33 @@ def test_an_fd_on_a_folder_the_user_could_not_reach_is_found(jobuser, root_dir):
         os.close(fd)
     assert [(p.what, p.path) for p in problems] == [(f"fd {fd}", str(locked / "inner"))]
     assert f"may not search the folder {locked} above it" in problems[0].reason
+
+
+# --- the images ---------------------------------------------------------------------------------------
+
+
+def _reg(id_: int, name: str) -> dict:
+    return {"type": "REG", "id": id_, "reg": {"id": id_, "name": name, "flags": 0}}
+
+
+def test_sockets_bound_at_a_path_the_user_controls_are_risks_abstract_and_private_ones_are_not():
+    files = [{"type": "UNIXSK", "id": 1, "usk": {"name": "/tmp/job/x.sock=00"}},
+             {"type": "UNIXSK", "id": 2, "usk": {"name": "=00singularity=00"}},  # abstract
+             {"type": "UNIXSK", "id": 3, "usk": {"name": "/dev/shm/torch.sock=00"}},
+             {"type": "UNIXSK", "id": 4, "usk": {}}]  # unnamed (socketpair)
+    assert restorecheck.image_risks(files, []) == ["a unix socket bound at /tmp/job/x.sock"]
+
+
+def test_deleted_files_still_open_outside_the_private_dev_shm_are_risks():
+    files = [_reg(1, "/tmp/ghost"), _reg(2, "/dev/shm/torch_123"), _reg(3, "/home/u/linked"),
+             _reg(4, "/tmp/kept")]
+    remaps = [{"orig_id": 1, "remap_id": 1, "remap_type": "GHOST"},
+              {"orig_id": 2, "remap_id": 2, "remap_type": "GHOST"},
+              {"orig_id": 3, "remap_id": 3, "remap_type": "LINKED"},
+              {"orig_id": 4, "remap_id": 4, "remap_type": "PROCFS"}]
+    assert restorecheck.image_risks(files, remaps) == [
+        "a deleted file still open at /tmp/ghost", "a deleted file still open at /home/u/linked"]
+
+
+def test_a_plain_tree_has_no_risks():
+    assert restorecheck.image_risks([_reg(1, "/usr/bin/python3"), _reg(2, "/tmp/out")], []) == []
