@@ -346,6 +346,36 @@ def admit(uid: int, active: int, limits: Limits) -> bool:
     return active < limits.max_connections + (limits.root_reserve if uid == 0 else 0)
 
 
+class Throttled:
+    """Warnings about refused peers, at most `burst` lines a minute: any local user can open
+    connections in a loop, and the log lies on the node's own file systems."""
+
+    def __init__(self, log: logging.Logger, burst: int = 20, window: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log = log
+        self.burst = burst
+        self.window = window
+        self.clock = clock
+        self.started = -window
+        self.logged = 0
+        self.suppressed = 0
+        self.lock = threading.Lock()
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = self.clock()
+        with self.lock:
+            if now - self.started >= self.window:
+                if self.suppressed:
+                    self.log.warning("%d more such warnings in the last %.0f s", self.suppressed,
+                                     self.window)
+                self.started, self.logged, self.suppressed = now, 0, 0
+            if self.logged >= self.burst:
+                self.suppressed += 1
+                return
+            self.logged += 1
+        self.log.warning(message, *args)
+
+
 class Server:
     """Serves `handler` on a unix socket at `path`, one thread per connection, within `limits`.
 
@@ -362,6 +392,7 @@ class Server:
         self.allow = allow
         self.limits = limits or Limits()
         self.lock = threading.Lock()
+        self.warn = Throttled(LOG)
         self.active = 0
         self.closed = threading.Event()
         self.listener: socket.socket | None = None
@@ -420,7 +451,7 @@ class Server:
         peer = peer_of(sock)
         why = self.allow(peer) if self.allow is not None else None
         if why is not None:
-            LOG.warning("%s: refused uid %s (pid %s): %s", self.name, peer.uid, peer.pid, why)
+            self.warn.warning("%s: refused uid %s (pid %s): %s", self.name, peer.uid, peer.pid, why)
             _send_quietly(sock, error_reply(Forbidden(why)))
             sock.close()
             return
@@ -429,7 +460,7 @@ class Server:
             if served:
                 self.active += 1
         if not served:
-            LOG.warning("%s: busy (%s connections); refused one from uid %s (pid %s)", self.name,
+            self.warn.warning("%s: busy (%s connections); refused one from uid %s (pid %s)", self.name,
                         self.active, peer.uid, peer.pid)
             _send_quietly(sock, error_reply(Busy(
                 f"{self.name} serves {self.limits.max_connections} connections already (its limit); "
@@ -456,7 +487,7 @@ class Server:
                 try:
                     request = read_frame(sock, self.limits.max_request, deadline)
                 except wire.FrameTooLarge as exc:
-                    LOG.warning("%s: refused a request of %s bytes from uid %s (pid %s)", self.name,
+                    self.warn.warning("%s: refused a request of %s bytes from uid %s (pid %s)", self.name,
                                 exc.length, peer.uid, peer.pid)
                     self._reply(sock, error_reply(TooLarge(
                         f"request of {exc.length} bytes is over the {exc.limit}-byte limit")))

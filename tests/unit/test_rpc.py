@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -382,3 +383,20 @@ def test_peer_credentials_of_another_user_reach_allow() -> None:
     folder.rmdir()
     assert out.stdout.strip() == "forbidden", out.stderr
     assert [(p.uid, p.gid) for p in seen] == [(65534, 65534)]
+
+
+def test_warnings_about_refused_peers_are_throttled_so_a_connect_loop_cannot_fill_the_log():
+    now = [0.0]
+    records: list[str] = []
+
+    class Recorder(logging.Logger):
+        def warning(self, message, *args, **kwargs):  # type: ignore[override]
+            records.append(message % args)
+
+    throttled = rpc.Throttled(Recorder("t"), burst=3, window=60, clock=lambda: now[0])
+    for i in range(100):
+        throttled.warning("refused %d", i)
+    assert records == ["refused 0", "refused 1", "refused 2"]
+    now[0] = 61.0
+    throttled.warning("refused %d", 100)
+    assert records[3:] == ["97 more such warnings in the last 60 s", "refused 100"]
