@@ -266,21 +266,18 @@ def _text(name: object) -> str:
 
 
 def image_risks(files: Iterable[dict], remaps: Iterable[dict]) -> list[str]:
-    """What in a checkpoint CRIU would re-create as root at a path its user controls.
+    """What in a checkpoint CRIU would create again as root at a path its user controls.
 
-    A unix socket bound to a path is bound again, then chowned and chmodded by that path; a deleted
-    file still open (a ghost) or one kept through a link-remap is created again by its path. The
-    job's user could swap a folder on that path for a symlink while the restore runs and have root
-    change the owner or mode of, or unlink, any file (`files`: files.img entries, `remaps`:
-    remap-fpath.img entries, as pycriu loads them). Paths under PRIVATE_PREFIXES are safe.
+    A deleted file still open (a ghost) or one kept through a link-remap is created again by its
+    path, then its owner and mode are set by that path; the job's user could swap a folder on the
+    way for a symlink while the restore runs and have root chown, chmod or unlink any file
+    (`files`: files.img entries, `remaps`: remap-fpath.img entries, as pycriu loads them). Paths
+    under PRIVATE_PREFIXES are safe. Unix sockets bound to a path are bound again the same way, but
+    every PyTorch DataLoader holds such sockets (multiprocessing's listeners in /tmp/pymp-*), so they
+    cannot be refused: SECURITY.md lists them as a known gap.
     """
     entries = {entry.get("id"): entry for entry in files}
     risks = []
-    for entry in entries.values():
-        if entry.get("type") == "UNIXSK":
-            name = _text(entry.get("usk", {}).get("name", ""))
-            if name.startswith("/") and not name.startswith(PRIVATE_PREFIXES):
-                risks.append(f"a unix socket bound at {name}")
     for remap in remaps:
         if remap.get("remap_type") not in ("GHOST", "LINKED"):
             continue

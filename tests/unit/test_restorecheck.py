@@ -180,14 +180,6 @@ def _reg(id_: int, name: str) -> dict:
     return {"type": "REG", "id": id_, "reg": {"id": id_, "name": name, "flags": 0}}
 
 
-def test_sockets_bound_at_a_path_the_user_controls_are_risks_abstract_and_private_ones_are_not():
-    files = [{"type": "UNIXSK", "id": 1, "usk": {"name": "/tmp/job/x.sock=00"}},
-             {"type": "UNIXSK", "id": 2, "usk": {"name": "=00singularity=00"}},  # abstract
-             {"type": "UNIXSK", "id": 3, "usk": {"name": "/dev/shm/torch.sock=00"}},
-             {"type": "UNIXSK", "id": 4, "usk": {}}]  # unnamed (socketpair)
-    assert restorecheck.image_risks(files, []) == ["a unix socket bound at /tmp/job/x.sock"]
-
-
 def test_deleted_files_still_open_outside_the_private_dev_shm_are_risks():
     files = [_reg(1, "/tmp/ghost"), _reg(2, "/dev/shm/torch_123"), _reg(3, "/home/u/linked"),
              _reg(4, "/tmp/kept")]
