@@ -87,13 +87,7 @@ class Reader:
                 if len(self.buffer) >= end:
                     data, self.buffer = self.buffer[_LENGTH.size:end], self.buffer[end:]
                     fds, self.fds = self.fds, []
-                    try:
-                        message = json.loads(data)
-                    except ValueError as exc:
-                        raise ProtocolError(f"frame is not JSON: {exc}") from exc
-                    if not isinstance(message, dict):
-                        raise ProtocolError("frame is not a JSON object")
-                    return message, fds
+                    return decode(data), fds
             # Never read past the frame being assembled (or its length), so the buffer stays within
             # one frame of MAX_FRAME bytes, and never hold more than MAX_FDS descriptors for it.
             want = _LENGTH.size - len(self.buffer)
