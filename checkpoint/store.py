@@ -45,12 +45,15 @@ from singularity_slurm.errors import (
     CheckpointError,
     CorruptCheckpoint,
     InvalidCheckpointRequest,
+    NewerCheckpointFormat,
     NoCheckpoint,
     StoreFull,
 )
 
 FORMAT_VERSION = 1
 DEFAULT_MAX_CHUNK = 16 * 1024
+MAX_CHUNK_LENGTH = 1 << 30
+"""No chunk is longer (writers cut far smaller ones): a manifest or pack index saying otherwise is corrupt."""
 DEFAULT_TMP_GRACE_S = 3600.0
 """Age after which a tmp entry counts as left behind by a dead writer (a live one writes far more often)."""
 
@@ -130,6 +133,13 @@ class FileEntry:
     chunks: tuple[ChunkRef, ...]
 
 
+class Skipped(NamedTuple):
+    """A manifest or pack index that could not be read and was left alone (`what` names its file)."""
+
+    what: str
+    reason: str
+
+
 class Refusal(NamedTuple):
     """A checkpoint `latest_valid` passed over, and why (CorruptCheckpoint.detail)."""
 
@@ -145,6 +155,7 @@ class PruneResult:
     tmp_entries_deleted: int  # files or whole writer folders left behind by dead writers
     tmp_bytes_deleted: int
     chunk_gc_deferred: bool = False  # a writer was active, so unreferenced chunks wait for the next prune
+    skipped: tuple[Refusal, ...] = ()  # unreadable manifests and pack indexes left alone, and why
 
 
 @dataclass(frozen=True)
@@ -195,6 +206,11 @@ class Manifest:
             raise refuse(f"is not valid JSON ({exc}); it was truncated or overwritten") from exc
         if not isinstance(doc, dict):
             raise refuse(f"holds a JSON {type(doc).__name__}, not an object")
+        if isinstance(doc.get("format"), int) and doc["format"] > FORMAT_VERSION:
+            raise NewerCheckpointFormat(
+                job_id, seq, f"manifest {where} has format version {doc['format']}, and this "
+                f"singularity-slurm reads version {FORMAT_VERSION} only; restore it with the version that "
+                "wrote it", path=where or None)
         if doc.get("format") != FORMAT_VERSION:
             raise refuse(f"has format version {doc.get('format')!r}, and this singularity-slurm reads "
                          f"version {FORMAT_VERSION} only; restore it with the version that wrote it")
@@ -214,6 +230,34 @@ def _int(value: Any, what: str, low: int = 0, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or too_big:
         raise ValueError(f"{what} is {value!r}, not an integer in {low}..{'' if high is None else high}")
     return value
+
+
+def read_pack_index(path: Path, pack_size: int | None) -> dict[str, tuple[int, int]]:
+    """hash -> (offset, length) of one pack index; ValueError says what is wrong with it.
+
+    Every entry must lie inside its pack (`pack_size` bytes, None when the pack is gone), so no
+    length read from the store can make a reader allocate more than the pack holds.
+    """
+    try:
+        doc = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"is not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"holds a JSON {type(doc).__name__}, not an object of hash -> [offset, length]")
+    if pack_size is None:
+        raise ValueError(f"has no pack {path.with_suffix('.pack').name} beside it")
+    entries = {}
+    for chunk_hash, entry in doc.items():
+        if not _HASH.fullmatch(chunk_hash) or not (isinstance(entry, list) and len(entry) == 2):
+            raise ValueError(f"has the entry {chunk_hash!r}: {entry!r}, not 32 hex digits -> "
+                             "[offset, length]")
+        offset = _int(entry[0], f"the offset of chunk {chunk_hash}")
+        length = _int(entry[1], f"the length of chunk {chunk_hash}", low=1, high=MAX_CHUNK_LENGTH)
+        if offset + length > pack_size:
+            raise ValueError(f"puts chunk {chunk_hash} at bytes {offset}..{offset + length}, beyond the "
+                             f"end of its pack ({pack_size} bytes)")
+        entries[chunk_hash] = (offset, length)
+    return entries
 
 
 def _object(doc: Any, keys: set[str], what: str) -> dict[str, Any]:
@@ -238,7 +282,8 @@ def _file_from_doc(raw: Any) -> FileEntry:
         if not (isinstance(chunk, list) and len(chunk) == 2 and isinstance(chunk[0], str)
                 and _HASH.fullmatch(chunk[0])):
             raise ValueError(f"chunk {chunk!r} of {path} is not [32 hex digits, length]")
-        chunks.append(ChunkRef(chunk[0], _int(chunk[1], f"the length of chunk {chunk[0]}", low=1)))
+        chunks.append(ChunkRef(chunk[0], _int(chunk[1], f"the length of chunk {chunk[0]}", low=1,
+                                                high=MAX_CHUNK_LENGTH)))
     if sum(c.length for c in chunks) != size:
         raise ValueError(f"the chunks of {path} add up to {sum(c.length for c in chunks)} bytes, "
                          f"not to its size {size}")
@@ -353,12 +398,15 @@ class CheckpointStore:
 
     def __init__(self, root: str | os.PathLike[str], *, clock: Callable[[], float] = time.time,
                  max_chunk: int = DEFAULT_MAX_CHUNK, pack_chunks: bool = False):
-        if isinstance(max_chunk, bool) or not isinstance(max_chunk, int) or max_chunk < 1:
-            raise InvalidCheckpointRequest(f"max_chunk {max_chunk!r} must be a positive number of bytes")
+        valid = isinstance(max_chunk, int) and not isinstance(max_chunk, bool)
+        if not valid or not 0 < max_chunk <= MAX_CHUNK_LENGTH:
+            raise InvalidCheckpointRequest(f"max_chunk {max_chunk!r} must be a number of bytes in "
+                                           f"1..{MAX_CHUNK_LENGTH}")
         self.root = Path(root)
         self.clock = clock  # created_at, and the age of tmp entries (so: wall-clock seconds)
         self.max_chunk = max_chunk
         self._open_packs: dict[Path, int] = {}  # fds of packs read by the current verify or restore
+        self._damaged: dict[Path, dict[str, str]] = {}  # packs folder -> index name -> why it was skipped
         # Pack mode: a writer appends its new chunks to one pack file (with a JSON index) instead of
         # one file per chunk, so page-sized chunks cost no more than big ones. Readers handle both.
         self.pack_chunks = pack_chunks
@@ -375,9 +423,15 @@ class CheckpointStore:
         return self.job_dir(job_id) / "packs"
 
     def pack_index(self, job_id: int | str) -> dict[str, tuple[Path, int, int]]:
-        """hash -> (pack file, offset, length) of every packed chunk of the job."""
+        """hash -> (pack file, offset, length) of every packed chunk of the job.
+
+        A damaged index is skipped (its chunks read as missing, so the checkpoints that need them are
+        refused, and the refusal names it); `damaged_indexes` says which and why.
+        """
         index: dict[str, tuple[Path, int, int]] = {}
         folder = self.packs_dir(job_id)
+        damaged = self._damaged.setdefault(folder, {})
+        damaged.clear()
         try:
             names = sorted(os.listdir(folder))
         except FileNotFoundError:
@@ -387,12 +441,28 @@ class CheckpointStore:
                 continue
             pack = folder / (name[:-4] + ".pack")
             try:
-                entries = json.loads((folder / name).read_text())
-            except (OSError, ValueError):
-                continue  # a damaged index: its chunks read as missing, so their checkpoints are refused
+                entries = read_pack_index(folder / name, _size(pack))
+            except OSError as exc:
+                damaged[name] = f"cannot be read ({exc})"
+                continue
+            except ValueError as exc:
+                damaged[name] = str(exc)
+                continue
             for chunk_hash, (offset, length) in entries.items():
-                index.setdefault(chunk_hash, (pack, int(offset), int(length)))
+                index.setdefault(chunk_hash, (pack, offset, length))
         return index
+
+    def damaged_indexes(self, job_id: int | str) -> list[Skipped]:
+        """The pack indexes the last `pack_index` of the job skipped, and why."""
+        folder = self.packs_dir(job_id)
+        damaged = sorted(self._damaged.get(folder, {}).items())
+        return [Skipped(f"pack index {folder / name}", why) for name, why in damaged]
+
+    def _missing_hint(self, job_id: int | str) -> str:
+        damaged = self.damaged_indexes(job_id)
+        if not damaged:
+            return ""
+        return " (" + "; ".join(f"{d.what} was skipped: it {d.reason}" for d in damaged) + ")"
 
     def locate(self, job_id: int | str, chunk_hash: str) -> tuple[Path, int, int] | None:
         """Where a chunk's bytes are: (file, offset, length), or None when the store lacks it."""
@@ -442,14 +512,8 @@ class CheckpointStore:
         return Manifest.from_json(text, job_id=job, seq=seq, where=str(path))
 
     def list(self, job_id: int | str) -> list[Manifest]:
-        """Committed checkpoints, oldest first; CorruptCheckpoint if a manifest is unreadable."""
-        manifests = []
-        for seq in self.seqs(job_id):
-            try:
-                manifests.append(self.read(job_id, seq))
-            except NoCheckpoint:  # pruned since we listed the folder
-                continue
-        return manifests
+        """Committed checkpoints whose manifests are readable, oldest first (`checked` names the rest)."""
+        return self.checked(job_id)[0]
 
     def latest(self, job_id: int | str) -> Manifest:
         """The newest committed checkpoint, unverified; `latest_valid` is the one to restore."""
@@ -474,7 +538,7 @@ class CheckpointStore:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise refuse(f"is missing from {path.parent}") from None
+            raise refuse(f"is missing from {path.parent}{self._missing_hint(manifest.job_id)}") from None
         except OSError as exc:
             # Not CorruptCheckpoint: a transient error (a stale NFS handle) must not make latest_valid
             # fall back to an older checkpoint and throw away the job's progress.
@@ -632,15 +696,22 @@ class CheckpointStore:
     # --- retention ---------------------------------------------------------------------------------
 
     def prune(self, job_id: int | str, keep: int, *, tmp_grace_s: float = DEFAULT_TMP_GRACE_S) -> PruneResult:
-        """Delete all but the newest `keep` checkpoints, then the chunks none of the rest references."""
+        """Delete all but the newest `keep` readable checkpoints, then the chunks none of the rest uses.
+
+        An unreadable manifest is skipped (named in the result): it neither counts as kept nor is
+        deleted, and its chunks are not protected, since no version can restore it. One written by a
+        newer version defers the chunk collection instead, as its chunks are unknown here.
+        """
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidCheckpointRequest(f"keep={keep!r}: prune must keep at least 1 checkpoint; "
                                            "use delete_job to remove them all")
-        seqs = self.seqs(job_id)
-        # Read the kept manifests before deleting anything: if one is unreadable (perhaps written by a
-        # newer version) we do not know which chunks it needs, and deleting must wait until it is fixed.
-        self._referenced(job_id, seqs[-keep:])
-        doomed = tuple(seqs[:-keep])
+        readable = [m.seq for m in self.list(job_id)]
+        return self.drop(job_id, readable[:-keep], tmp_grace_s=tmp_grace_s)
+
+    def drop(self, job_id: int | str, seqs: Sequence[int], *,
+             tmp_grace_s: float = DEFAULT_TMP_GRACE_S) -> PruneResult:
+        """Delete the checkpoints `seqs`, then the chunks no remaining checkpoint references."""
+        doomed = tuple(sorted(set(seqs)))
         with _store_io(self.root, f"prune checkpoints of job {job_key(job_id)}"):
             for seq in doomed:
                 self.manifest_path(job_id, seq).unlink(missing_ok=True)
@@ -653,19 +724,26 @@ class CheckpointStore:
         with _store_io(self.root, f"collect garbage of job {job_key(job_id)}"):
             return self._collect(job_id, (), tmp_grace_s)
 
-    def _referenced(self, job_id: int | str, seqs: Sequence[int]) -> set[str]:
-        referenced: set[str] = set()
-        for seq in seqs:
+    def checked(self, job_id: int | str) -> tuple[list[Manifest], list[Skipped], bool]:
+        """Readable checkpoints (oldest first), the unreadable manifests skipped, and whether one of
+        those is of a newer format (whose chunks are unknown here)."""
+        manifests: list[Manifest] = []
+        skipped: list[Skipped] = []
+        newer = False
+        for seq in self.seqs(job_id):
             try:
-                manifest = self.read(job_id, seq)
-            except NoCheckpoint:  # pruned by someone else meanwhile
+                manifests.append(self.read(job_id, seq))
+            except NoCheckpoint:  # pruned since we listed the folder
                 continue
             except CorruptCheckpoint as exc:
-                raise CorruptCheckpoint(exc.job_id, seq, f"{exc.detail}; no chunk of job {exc.job_id} is "
-                                        "deleted until that manifest is repaired or removed",
-                                        path=exc.path) from exc
-            referenced.update(ref.hash for entry in manifest.files for ref in entry.chunks)
-        return referenced
+                skipped.append(Skipped(f"checkpoint {seq} ({self.manifest_path(job_id, seq)})", exc.detail))
+                newer = newer or isinstance(exc, NewerCheckpointFormat)
+        return manifests, skipped, newer
+
+    def _referenced(self, job_id: int | str) -> tuple[set[str], list[Skipped], bool]:
+        """Chunks the readable checkpoints use, the manifests skipped, and whether GC must wait."""
+        manifests, skipped, newer = self.checked(job_id)
+        return {ref.hash for m in manifests for entry in m.files for ref in entry.chunks}, skipped, newer
 
     def _active_writers(self, job_id: int | str, grace_s: float) -> list[Path]:
         """Writer folders in tmp/ young enough to belong to a live writer."""
@@ -697,7 +775,10 @@ class CheckpointStore:
         if self._active_writers(job_id, grace_s):
             return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True)
         packs = sorted(self.packs_dir(job_id).glob("*.idx"))
-        referenced = self._referenced(job_id, self.seqs(job_id))
+        referenced, skipped, newer = self._referenced(job_id)
+        if newer:
+            return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True,
+                               skipped=tuple(skipped))
         chunks = chunk_bytes = 0
         for name, path in on_disk.items():
             if name not in referenced:
@@ -709,18 +790,21 @@ class CheckpointStore:
                 chunks, chunk_bytes = chunks + 1, chunk_bytes + size
         for idx in packs:
             # A pack goes once no kept checkpoint uses any of its chunks (a partly used one stays).
+            pack = idx.with_suffix(".pack")
             try:
-                hashes = json.loads(idx.read_text())
-            except (OSError, ValueError):
+                hashes = read_pack_index(idx, _size(pack))
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:
+                skipped.append(Skipped(f"pack index {idx}", str(exc)))  # left for whoever inspects it
                 continue
             if hashes.keys() & referenced:
                 continue
-            pack = idx.with_suffix(".pack")
             size = _size(pack) or 0
             pack.unlink(missing_ok=True)
             idx.unlink(missing_ok=True)
             chunks, chunk_bytes = chunks + len(hashes), chunk_bytes + size
-        return PruneResult(doomed, chunks, chunk_bytes, tmp_entries, tmp_bytes)
+        return PruneResult(doomed, chunks, chunk_bytes, tmp_entries, tmp_bytes, skipped=tuple(skipped))
 
     def delete_job(self, job_id: int | str) -> int:
         """Remove every checkpoint of the job; returns the chunk bytes freed."""
@@ -954,9 +1038,11 @@ class CheckpointWriter:
         if not self._new or self.store._active_writers(self.job_id, DEFAULT_TMP_GRACE_S):
             return  # another writer may have deduplicated against our chunks; GC takes them later
         try:
-            referenced = self.store._referenced(self.job_id, self.store.seqs(self.job_id))
+            referenced, _, newer = self.store._referenced(self.job_id)
         except CheckpointError:
             return  # best effort: GC removes leftovers
+        if newer:
+            return
         for chunk_hash in self._new.keys() - referenced:
             try:
                 self.store.chunk_path(self.job_id, chunk_hash).unlink()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from singularity_slurm import rpc
+from singularity_slurm.checkpoint.generation import Generation, newest_first
 from singularity_slurm.config import Config
 from singularity_slurm.coordinator.placement import PlacementError, place
 from singularity_slurm.errors import SingularityError
@@ -511,7 +512,7 @@ class Launcher:
         except LaunchError as exc:
             self.say(f"cannot list the nodes' checkpoints ({exc}): starting from the beginning")
             return False
-        common = sorted(set.intersection(*per_node), reverse=True)
+        common = newest_first(set.intersection(*per_node))
         for generation in common:
             try:
                 replies = self.fanout("restore", {"generation": generation, "run": self.run_key,
@@ -558,7 +559,7 @@ class Launcher:
         if not self.info.multi_node:
             summary = self.agent({"op": "checkpoint", **payload}, timeout=timeout)
         else:
-            generation = f"{self.info.restart_count}.{time.time_ns()}"
+            generation = str(Generation(self.info.restart_count, time.time_ns()))
             replies = self.fanout("checkpoint", {**payload, "generation": generation}, timeout=timeout)
             cuts = [r["cut_seconds"] for r in replies if r.get("cut_seconds") is not None]
             summary = {"seq": generation, "seconds": max(r["seconds"] for r in replies),

@@ -67,6 +67,10 @@ class CorruptCheckpoint(CheckpointError):
                          "afresh")
 
 
+class NewerCheckpointFormat(CorruptCheckpoint):
+    """A manifest written by a newer singularity-slurm: restore it with that version; keep its chunks."""
+
+
 class NoCheckpoint(CheckpointError):
     """The job has no committed checkpoint that verifies: start it from the beginning."""
 

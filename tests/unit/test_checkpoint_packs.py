@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 from pathlib import Path
@@ -115,3 +116,70 @@ def test_a_full_store_in_pack_mode_keeps_the_previous_checkpoint(tmp_path):
         assert list((store.job_dir(7) / "tmp").iterdir()) == []
     finally:
         subprocess.run(["umount", str(root)], check=True)
+
+
+def newest_index(store: CheckpointStore) -> Path:
+    return max(store.packs_dir(7).glob("*.idx"), key=lambda p: p.stat().st_mtime_ns)
+
+
+def spoil_index(text: str, how: str) -> str:
+    doc = json.loads(text)
+    first = next(iter(doc))
+    if how == "a list":
+        return json.dumps(list(doc.items()))
+    if how == "truncated":
+        return text[: len(text) // 2]
+    if how == "bad hash":
+        doc["not-a-hash"] = doc.pop(first)
+    elif how == "bad entry":
+        doc[first] = {"offset": 0}
+    elif how == "negative offset":
+        doc[first] = [-4096, doc[first][1]]
+    elif how == "huge length":
+        doc[first] = [0, 1 << 62]
+    elif how == "beyond the pack":
+        doc[first] = [1 << 40, 4096]
+    return json.dumps(doc)
+
+
+BAD_INDEXES = {
+    "truncated": "is not valid JSON",
+    "a list": "holds a JSON list, not an object",
+    "bad hash": "has the entry 'not-a-hash'",
+    "bad entry": "not 32 hex digits -> [offset, length]",
+    "negative offset": "the offset of chunk",
+    "huge length": "the length of chunk",
+    "beyond the pack": "beyond the end of its pack",
+}
+
+
+@pytest.mark.parametrize("how", BAD_INDEXES)
+def test_a_damaged_pack_index_is_skipped_naming_it_by_restore_and_prune(store, tmp_path, how):
+    first = commit(store, {"images/pages-1.img": pages(8, 8)})
+    second = commit(store, {"images/pages-1.img": pages(8, 9)})
+    index = newest_index(store)
+    index.write_text(spoil_index(index.read_text(), how))
+
+    manifest, refused = store.latest_valid(7)
+
+    assert manifest == first
+    assert [r.seq for r in refused] == [second.seq]
+    assert f"pack index {index} was skipped: it " in refused[0].reason
+    assert BAD_INDEXES[how] in refused[0].reason.split(" was skipped: it ")[1]
+    store.restore(manifest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(pages(8, 8))
+    result = store.prune(7, keep=2)  # nothing to delete, and the damaged index fails nothing
+    assert [s.what for s in result.skipped] == [f"pack index {index}"]
+    assert index.exists() and index.with_suffix(".pack").exists()
+
+
+def test_a_pack_index_without_its_pack_is_skipped(store):
+    first = commit(store, {"images/pages-1.img": pages(8, 10)})
+    second = commit(store, {"images/pages-1.img": pages(8, 11)})
+    index = newest_index(store)
+    index.with_suffix(".pack").unlink()
+
+    manifest, refused = store.latest_valid(7)
+
+    assert (manifest, [r.seq for r in refused]) == (first, [second.seq])
+    assert f"has no pack {index.with_suffix('.pack').name} beside it" in refused[0].reason

@@ -471,6 +471,18 @@ def unsafe_path(text: str) -> str:
     return json.dumps(doc)
 
 
+def chunk_length(text: str, length: int) -> str:
+    doc = json.loads(text)
+    doc["files"][0]["chunks"][0][1] = length
+    return json.dumps(doc)
+
+
+def file_size(text: str, size: int) -> str:
+    doc = json.loads(text)
+    doc["files"][0]["size"] = size
+    return json.dumps(doc)
+
+
 BAD_MANIFESTS = {
     "truncated": (lambda text: text[: len(text) // 2], "is not valid JSON"),
     "garbage": (lambda text: "\x00\xff not json", "is not valid JSON"),
@@ -482,6 +494,10 @@ BAD_MANIFESTS = {
     "another seq": (lambda text: rewrite(text, seq=7), "says it is checkpoint 7, but its file name says 2"),
     "another job": (lambda text: rewrite(text, job_id="43"), "belongs to job 43, not to job 42"),
     "unsafe path": (unsafe_path, "is malformed: file path '../../etc/cron.d/job' cannot go into a"),
+    "negative length": (lambda text: chunk_length(text, -5), "is malformed: the length of chunk"),
+    "huge length": (lambda text: chunk_length(text, 1 << 62), "is malformed: the length of chunk"),
+    "huge size": (lambda text: file_size(text, 1 << 62), "is malformed: the chunks of a add up to"),
+    "files not a list": (lambda text: rewrite(text, files={"a": 1}), "is malformed: files must be an array"),
 }
 
 
@@ -614,17 +630,39 @@ def test_prune_removes_tmp_entries_of_dead_writers_only(store: CheckpointStore) 
     assert tmp_entries(store) == ["live-writer"]
 
 
-def test_prune_deletes_nothing_while_a_kept_manifest_is_unreadable(store: CheckpointStore) -> None:
+def test_prune_skips_an_unreadable_manifest_naming_it_and_keeps_the_newest_readable_ones(
+        store: CheckpointStore) -> None:
+    first, second, _ = (commit(store, {"a": noise(CHUNK, i)}) for i in range(3))
+    fourth = commit(store, {"a": noise(CHUNK, 3)})
+    path = store.manifest_path(JOB, 3)
+    path.write_text("{")
+
+    result = store.prune(JOB, keep=2)
+
+    assert result.manifests_deleted == (first.seq,)
+    assert [(s.what, s.reason.split(" (")[0]) for s in result.skipped] == [
+        (f"checkpoint 3 ({path})", f"manifest {path} is not valid JSON")]
+    assert store.seqs(JOB) == [2, 3, 4]  # the unreadable one stays for whoever inspects it
+    assert store.list(JOB) == [second, fourth]
+    # No version can restore it: its chunks are not kept for it.
+    assert chunks_on_disk(store) == {hashes_of(noise(CHUNK, 1)), hashes_of(noise(CHUNK, 3))}
+    store.verify(second)
+    assert store.latest_valid(JOB)[0] == fourth
+
+
+def test_a_manifest_of_a_newer_format_defers_chunk_collection(store: CheckpointStore) -> None:
     for i in range(3):
         commit(store, {"a": noise(CHUNK, i)})
-    store.manifest_path(JOB, 3).write_text("{")
+    path = store.manifest_path(JOB, 3)
+    path.write_text(rewrite(path.read_text(), format=99))
     chunks_before = chunks_on_disk(store)
 
-    with pytest.raises(CorruptCheckpoint, match="no chunk of job 42 is deleted until that manifest"):
-        store.prune(JOB, keep=2)
+    result = store.prune(JOB, keep=1)
 
-    assert store.seqs(JOB) == [1, 2, 3]
-    assert chunks_on_disk(store) == chunks_before
+    assert result.manifests_deleted == (1,)
+    assert result.chunk_gc_deferred
+    assert "has format version 99" in result.skipped[0].reason
+    assert chunks_on_disk(store) == chunks_before  # the newer version may need any of them
 
 
 def test_delete_job_removes_all_its_checkpoints_and_nothing_else(store: CheckpointStore) -> None:
