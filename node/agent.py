@@ -18,7 +18,9 @@ Requests (`op`) are `rpc` frames, each answered with `{"ok": true, ...}` or
   restore {rank, generation}             restore the newest valid checkpoint of the job (or, in a
                                          multi-node job, this node's part of one generation)
   wait {}                                block until the tree ends: {"state", "exit_status"}
-  checkpoint {reason, stop, generation}  dump (stop: the tree ends) and commit a checkpoint
+  checkpoint {reason, stop, generation, common}
+                                         dump (stop: the tree ends) and commit a checkpoint; `common`:
+                                         generations every node has, which pruning keeps
   kill {}                                end the tree now
   requeue {exclude}                      requeue the job in Slurm (away from `exclude` nodes) and
                                          lift its requeue delay
@@ -75,6 +77,8 @@ if TYPE_CHECKING:
 
 MAX_REQUEST = rpc.MAX_REQUEST
 MAX_CONNECTIONS = 32
+MAX_COMMON = 16
+"""Generations a checkpoint request may name as committed on every node (the launcher sends a few)."""
 """Connections one agent serves at once (root has rpc.ROOT_RESERVE more): each holds a thread."""
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
 _CALL = threading.local()  # per request thread: where to register callbacks for after the reply
@@ -347,6 +351,10 @@ class AgentState:
         generation = request.get("generation")
         if generation is not None and not isinstance(generation, str):
             raise RequestError("checkpoint: generation must be a string")
+        common = request.get("common")
+        if common is not None and not (isinstance(common, list) and len(common) <= MAX_COMMON
+                                       and all(isinstance(g, str) for g in common)):
+            raise RequestError(f"checkpoint: common must be a list of at most {MAX_COMMON} generations")
         with self.lock:
             if self.state != TreeState.RUNNING:
                 raise RequestError(f"job {self.job_id} is {self.state} on {self.node}: nothing to checkpoint")
@@ -357,7 +365,7 @@ class AgentState:
             try:
                 summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop,
                                             generation=generation,
-                                            run=_run_key(request) or self.run_key)
+                                            run=_run_key(request) or self.run_key, common=common)
             finally:
                 if self.proxies and not stop:
                     self._proxies_call({"op": "resume"}, 30)

@@ -18,6 +18,7 @@ import redis
 from singularity_slurm import rootexec
 from singularity_slurm.checkpoint import images
 from singularity_slurm.checkpoint.criu import Criu, RestoreRefused, filelog_shim_path, wrapper_path
+from singularity_slurm.checkpoint.generation import newest_first
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import Registry, connect
@@ -181,18 +182,44 @@ class CheckpointEngine:
     # --- checkpoint -------------------------------------------------------------------------------
 
     def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
-                   generation: str | None = None, run: str | None = None) -> dict[str, Any]:
+                   generation: str | None = None, run: str | None = None,
+                   common: list[str] | None = None) -> dict[str, Any]:
+        """Dump the tree and commit it. For a multi-node checkpoint, `common` lists the generations
+        every node committed (newest first; None: not known, and nothing of this run is pruned)."""
         started = time.monotonic()
         work = self.run_dir / f"dump-{int(time.time() * 1000)}"
         work.mkdir(mode=0o700, parents=True)
         try:
-            return self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started)
+            summary = self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started)
         except Exception as exc:
             error = str(exc)
             self._index(lambda registry: registry.record_failure(job_id, self.node, reason, error))
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        try:
+            self._prune(job_id, generation, run, common)
+        except SingularityError:
+            pass  # an old checkpoint left over costs space, not correctness
+        return summary
+
+    def _prune(self, job_id: int, generation: str | None, run: str | None, common: list[str] | None) -> None:
+        """Keep the newest checkpoints; of a multi-node job, never the last generation every node has.
+
+        Each node prunes its own part, so a node counting only its own checkpoints could drop the one
+        generation the others still have (after a checkpoint that failed on some node): it keeps the
+        generations the launcher knows every node committed, and the one it just wrote.
+        """
+        if generation is None:
+            self.store.prune(job_id, keep=self.keep)
+            return
+        if common is None:
+            return
+        keep = {generation, *newest_first(common)[:self.keep - 1]}
+        doomed = [m.seq for m in self.store.list(job_id)
+                  if of_run(run)(m) and m.meta.get("generation") and m.meta["generation"] not in keep]
+        if doomed:
+            self.store.drop(job_id, doomed)
 
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                     generation: str | None, run: str | None, work: Path, started: float) -> dict[str, Any]:
@@ -213,10 +240,6 @@ class CheckpointEngine:
             shutil.rmtree(copies, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
         localfiles.tell_job(creds, output, local.notices, f"{NOTICE}checkpoint {manifest.seq}: ")
-        try:
-            self.store.prune(job_id, keep=self.keep)
-        except SingularityError:
-            pass  # an old checkpoint left over costs space, not correctness
         summary = summarize(manifest, time.monotonic() - started)
         self._index(lambda registry: registry.record_checkpoint(job_id, summary))
         return {**summary, "notices": local.notices} if local.notices else summary

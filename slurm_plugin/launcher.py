@@ -52,6 +52,8 @@ REQUEUE_WAIT_S = 300.0
 """How long a launcher that asked for a requeue waits for Slurm to end it with the job."""
 BUSY_RETRY_S = 120.0
 """How long a request the agent answers `busy` (it serves as many connections as it allows) is retried."""
+MAX_COMMON = 8
+"""Committed generations a multi-node checkpoint names to the agents, which keep the newest of them."""
 
 
 class LaunchError(SingularityError):
@@ -241,6 +243,7 @@ class Launcher:
         self.config = config
         self.world_size = world_size
         self.attempt = 0
+        self.committed: list[str] = []  # generations every node committed, newest first (multi-node)
         self.output = env.get(FRONT_OUTPUT)
         self.env = front_environment(env)
         self.info = job_info(self.env, config)
@@ -524,6 +527,7 @@ class Launcher:
                 except LaunchError:
                     pass
                 continue
+            self.committed = common[common.index(generation):]
             logical = sum(r["logical_bytes"] for r in replies)
             self.say(f"restored multi-node checkpoint {generation} on {','.join(self.info.nodes)} "
                      f"({lifecycle.mib(logical)}) in {max(r['seconds'] for r in replies):.1f}s")
@@ -560,7 +564,10 @@ class Launcher:
             summary = self.agent({"op": "checkpoint", **payload}, timeout=timeout)
         else:
             generation = str(Generation(self.info.restart_count, time.time_ns()))
-            replies = self.fanout("checkpoint", {**payload, "generation": generation}, timeout=timeout)
+            common = self.committed[:MAX_COMMON] or None
+            replies = self.fanout("checkpoint", {**payload, "generation": generation, "common": common},
+                                  timeout=timeout)
+            self.committed.insert(0, generation)
             cuts = [r["cut_seconds"] for r in replies if r.get("cut_seconds") is not None]
             summary = {"seq": generation, "seconds": max(r["seconds"] for r in replies),
                        "cut_seconds": max(cuts) if cuts else None,

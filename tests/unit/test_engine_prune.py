@@ -1,0 +1,81 @@
+"""Pruning a node's part of multi-node checkpoints never drops the last generation every node has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from singularity_slurm.checkpoint.store import CheckpointStore
+from singularity_slurm.node.engine import CheckpointEngine
+
+JOB, RUN = 42, "0-0123456789abcdef"
+
+
+def engine_on(tmp_path: Path, keep: int = 3) -> CheckpointEngine:
+    store = CheckpointStore(tmp_path / "store", max_chunk=4096, pack_chunks=True)
+    return CheckpointEngine(None, "n1", tmp_path, store, None, None, keep=keep)  # type: ignore[arg-type]
+
+
+def commit(engine: CheckpointEngine, generation: str | None, data: bytes, run: str = RUN) -> None:
+    with engine.store.begin(JOB, reason="periodic", meta={"generation": generation, "run": run}) as writer:
+        writer.add_bytes("images/pages-1.img", data)
+        writer.commit()
+
+
+def generations(engine: CheckpointEngine) -> list[str]:
+    return [m.meta["generation"] for m in engine.store.list(JOB)]
+
+
+def test_a_node_keeps_the_generation_the_others_have_though_it_has_newer_ones(tmp_path: Path) -> None:
+    # Generations 1.1 and 1.2 reached every node; 1.3 and 1.4 failed on another node.
+    engine = engine_on(tmp_path)
+    for i, generation in enumerate(["1.1", "1.2", "1.3", "1.4", "1.5"]):
+        commit(engine, generation, bytes([i]) * 4096)
+
+    engine._prune(JOB, "1.5", RUN, common=["1.2", "1.1"])
+
+    assert generations(engine) == ["1.1", "1.2", "1.5"]  # keep=3: two common ones and the one just written
+    assert engine.store.latest_valid(JOB)[0].meta["generation"] == "1.5"
+
+
+def test_restart_ten_is_kept_over_restart_nine(tmp_path: Path) -> None:
+    engine = engine_on(tmp_path, keep=2)
+    for i, generation in enumerate(["9.500", "10.100", "10.200"]):
+        commit(engine, generation, bytes([i]) * 4096)
+
+    engine._prune(JOB, "10.200", RUN, common=["9.500", "10.100"])
+
+    assert generations(engine) == ["10.100", "10.200"]
+
+
+def test_without_knowing_what_every_node_has_nothing_is_pruned(tmp_path: Path) -> None:
+    engine = engine_on(tmp_path, keep=1)
+    for i, generation in enumerate(["1.1", "1.2", "1.3"]):
+        commit(engine, generation, bytes([i]) * 4096)
+
+    engine._prune(JOB, "1.3", RUN, common=None)
+
+    assert generations(engine) == ["1.1", "1.2", "1.3"]
+
+
+def test_other_runs_checkpoints_are_left_alone(tmp_path: Path) -> None:
+    engine = engine_on(tmp_path, keep=1)
+    commit(engine, "1.1", b"a" * 4096, run="0-ffffffffffffffff")
+    commit(engine, "1.2", b"b" * 4096)
+    commit(engine, "1.3", b"c" * 4096)
+
+    engine._prune(JOB, "1.3", RUN, common=["1.2"])
+
+    assert generations(engine) == ["1.1", "1.3"]
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_single_node_checkpoints_keep_the_newest(tmp_path: Path, keep: int) -> None:
+    engine = engine_on(tmp_path, keep=keep)
+    for i in range(4):
+        commit(engine, None, bytes([i]) * 4096)
+
+    engine._prune(JOB, None, RUN, common=None)
+
+    assert engine.store.seqs(JOB) == [1, 2, 3, 4][-keep:]
