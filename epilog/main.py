@@ -11,7 +11,7 @@ from singularity_slurm.config import load
 from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import RegistryError, SingularityError
 from singularity_slurm.jobenv import JobContext, job_run_dir
-from singularity_slurm.node import localfiles, services
+from singularity_slurm.node import localfiles, retire, services
 from singularity_slurm.nodelog import node_logger
 from singularity_slurm.proxy import ranksock
 
@@ -42,6 +42,10 @@ def run(env: dict[str, str]) -> int:
         Registry(connect(config.redis)).record_node_end(job.job_id, job.node, time.time())
     except (RegistryError, OSError) as exc:
         log.warning("registry not updated: %s", exc)
+    try:
+        retire.spawn(job.job_id, job.node)  # the job's folders in the store, once Slurm shows its end
+    except OSError as exc:
+        log.warning("store sweep not started: %s", exc)
     return status
 
 

@@ -77,6 +77,15 @@ def summarize(manifest: Manifest, seconds: float | None = None) -> dict[str, Any
     }
 
 
+def _check_taken_for(manifest: Manifest, uid: int) -> None:
+    """Refuse a checkpoint of another user's processes: the job id was used before (a lost Slurm
+    state, a wrapped MaxJobId) and the folder outlived its first claim."""
+    taken_for = manifest.meta.get("uid")
+    if taken_for != uid:
+        raise RestoreRefused(f"it holds the processes of uid {taken_for!r}, and job {manifest.job_id} runs "
+                             f"as uid {uid}: the job id was used by an earlier job")
+
+
 def of_run(run: str | None) -> Callable[[Manifest], bool]:
     """Which checkpoints belong to a `singularityctl run` of the job (None: any of them)."""
     if run is None:
@@ -281,6 +290,7 @@ class CheckpointEngine:
                 refused.extend(r for r in corrupt if r.seq not in {known.seq for known in refused})
             tried.add(manifest.seq)
             try:
+                _check_taken_for(manifest, uid)
                 pid, notices = self._restore_one(job_id, manifest, creds)
                 break
             except RestoreRefused as exc:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from singularity_slurm.checkpoint import retention
 from singularity_slurm.config import Config, load
 from singularity_slurm.coordinator.registry import NodeStart, Registry, connect
 from singularity_slurm.errors import RegistryError, SingularityError
@@ -63,6 +64,17 @@ def ensure_context(items: dict[str, str], config: Config, slurm: SlurmClient) ->
     return replace(job, gpus=gpus_of_node(slurm.job_detail(job_id), job.node))
 
 
+def claim_store(job: JobContext, config: Config) -> None:
+    """Make the job's store folders this job's (restart 0 only: a job id may have been used before)."""
+    record = SlurmClient().job(job.job_id)
+    if record is None or not record.get("SubmitTime"):
+        raise InvalidJobIdentity(f"Slurm has no submit time of job {job.job_id}")
+    log = node_logger("prolog", job.node, job.job_id)
+    for moved in retention.claim(config.paths.store_root, job.job_id, job.uid, record["SubmitTime"]):
+        log.warning("job id %s was used before: moved the earlier job's checkpoints aside to %s (the "
+                    "next store sweep deletes them)", job.job_id, moved)
+
+
 def run(env: dict[str, str], ensure: bool = False) -> int:
     """Prepare the node for the job; with `ensure`, only if its services are not running already.
 
@@ -87,6 +99,13 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
         return 0
     if ensure:
         log.info("services were not running (slurmd skipped the Prolog): starting them")
+    if job.restart_count == 0:
+        try:
+            claim_store(job, config)
+        except (OSError, SingularityError) as exc:
+            # The job runs all the same (a failed Prolog would drain the node); a restore still
+            # refuses checkpoints taken for another uid.
+            log.error("cannot claim the job's folder in the checkpoint store: %s", exc)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, 0o755)

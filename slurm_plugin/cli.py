@@ -291,6 +291,48 @@ def admin_check_cmd(config_path: Path | None, as_json: bool) -> None:
     sys.exit(1 if any(not r.ok for r in results) else 0)
 
 
+@admin.command("gc")
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_obj
+def admin_gc_cmd(config_path: Path | None, dry_run: bool, as_json: bool) -> None:
+    """Sweep the checkpoint store: delete what no live job needs.
+
+    Judges every job folder in the store (and in each node rank's part of it) by the job's state in
+    Slurm. A job that ended for good (completed, cancelled, failed, timed out) is marked, and its
+    checkpoints are deleted `store.retention_min` minutes later; until then `scontrol requeue JOBID`
+    resumes it. A folder of a job Slurm no longer knows, unchanged for `store.orphan_age_min`
+    minutes, is deleted; so are folders left by earlier jobs with a reused job id. Live jobs (pending,
+    running, requeued, suspended) are never touched.
+
+    Every job's Epilog starts such a sweep by itself (its own job at once, the whole store at most
+    every 10 minutes); run this as root to sweep now, or from cron. Exits 1 when Slurm cannot be
+    asked (nothing is deleted then).
+    """
+    import time
+
+    from singularity_slurm.node.retire import sweep_store
+
+    config = _load(config_path)
+    try:
+        actions = sweep_store(config, SlurmClient(), time.time(), dry_run=dry_run)
+    except (SingularityError, OSError) as exc:
+        _fail(exc)
+    changed = [a for a in actions if a.verdict != "keep"]
+    if as_json:
+        click.echo(json.dumps({"dry_run": dry_run, "folders": len(actions), "actions": [
+            {"folder": a.folder, "job_id": a.job_id or None, "verdict": str(a.verdict), "state": a.state,
+             "freed_bytes": a.freed_bytes} for a in changed]}, indent=2))
+        return
+    for a in changed:
+        what = "would " + str(a.verdict) if dry_run else str(a.verdict)
+        click.echo(f"{what:<18} {a.folder}  (job state: {a.state or 'unknown to Slurm'}"
+                   + (f", {a.freed_bytes / 2**20:.1f} MiB freed)" if a.freed_bytes else ")"))
+    freed = sum(a.freed_bytes for a in changed)
+    click.echo(f"{len(actions)} folders judged, {len(changed)} changed, {freed / 2**20:.1f} MiB freed"
+               + (" (dry run: nothing changed)" if dry_run else ""))
+
+
 @admin.command("install-policy")
 @click.option("--slurm-etc", type=click.Path(path_type=Path), default=Path("/etc/slurm"),
               show_default=True, envvar="SINGULARITY_SLURM_ETC",

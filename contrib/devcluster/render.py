@@ -183,4 +183,7 @@ def render_singularity_config(layout: Layout) -> str:
         "[proxy]",
         f"cut_timeout = {max(5, layout.grace_time // 2)}",
         "",
+        "[store]",
+        "retention_min = 0  # a finished test job's checkpoints go when it ends",
+        "",
     ])

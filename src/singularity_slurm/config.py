@@ -105,6 +105,22 @@ class LocalFilesConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """How long the store keeps what no live job needs."""
+
+    retention_min: int = 1440  # after a job ends for good, its checkpoints stay this long (0: deleted then)
+    orphan_age_min: int = 10080  # a job folder Slurm no longer knows, unchanged this long, is collected
+
+    @property
+    def retention_s(self) -> float:
+        return self.retention_min * 60.0
+
+    @property
+    def orphan_age_s(self) -> float:
+        return self.orphan_age_min * 60.0
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     operators: tuple[str, ...] = ()  # user names that may checkpoint and migrate any job, like root
 
@@ -123,6 +139,7 @@ class Config:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     local_files: LocalFilesConfig = field(default_factory=LocalFilesConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     source: Path | None = field(default=None, compare=False)
 
     def tier(self, name: str) -> TierConfig:
@@ -173,12 +190,18 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                               "total bytes of node-local files a checkpoint carries at most"),
     "local_files.max_log_bytes": (LocalFilesConfig.max_log_bytes, int,
                                   "bytes of the job's file-log that are read at a checkpoint"),
+    "store.retention_min": (StoreConfig.retention_min, int,
+                            "minutes a job's checkpoints are kept after it ended for good (completed, "
+                            "cancelled, failed without requeue); 0 = deleted when it ends"),
+    "store.orphan_age_min": (StoreConfig.orphan_age_min, int,
+                             "minutes after which a job folder in the store that Slurm no longer knows and "
+                             "nothing changed is collected"),
     "admin.operators": ([], list, "user names that may checkpoint and migrate any user's job, like root "
                         "(they need read access to redis.password_file)"),
 }
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
-_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files"}
+_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 _USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 """A POSIX user name (as useradd accepts it); `root` needs no entry."""
@@ -302,6 +325,17 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         if not 0 <= value <= 1 << 50:
             raise ConfigError(f"local_files.{key} must be 0..2**50, got {value}")
 
+    store_raw = data.get("store", {})
+    _check_keys(store_raw, {"retention_min", "orphan_age_min"}, "store")
+    ages = {key: _take(store_raw, key, "store", int, KEYS[f"store.{key}"][0])
+            for key in ("retention_min", "orphan_age_min")}
+    for key, value in ages.items():
+        if not 0 <= value <= 5_256_000:  # ten years
+            raise ConfigError(f"store.{key} must be 0..5256000 minutes, got {value}")
+    if ages["orphan_age_min"] < 60:
+        raise ConfigError(f"store.orphan_age_min must be at least 60 minutes, got {ages['orphan_age_min']}: "
+                          "a job Slurm has not registered yet must not lose its folder")
+
     return Config(
         default_tier=default_tier,
         tiers=tiers,
@@ -318,6 +352,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         proxy=proxy,
         admin=AdminConfig(operators=tuple(operators)),
         local_files=LocalFilesConfig(**limits),
+        store=StoreConfig(**ages),
         source=source,
     )
 

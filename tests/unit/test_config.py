@@ -136,7 +136,7 @@ def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
 def test_unknown_top_level_section_lists_valid_sections() -> None:
     assert config_error({"tier": {}}) == (
         "unknown key(s) in [top level]: tier; valid keys: admin, local_files, paths, preemption, proxy, "
-        "redis, tiers"
+        "redis, store, tiers"
     )
 
 
@@ -598,3 +598,25 @@ def test_file_logs_default_to_a_disk_folder_off_run_and_may_be_moved() -> None:
     assert parse({}).paths.filelog_dir == Path("/var/lib/singularity-slurm/filelog")
     assert parse({"paths": {"filelog_dir": "/srv/filelog"}}).paths.filelog_dir == Path("/srv/filelog")
     assert "paths.filelog_dir must be an absolute path" in config_error({"paths": {"filelog_dir": "rel"}})
+
+
+def test_the_store_keeps_an_ended_jobs_checkpoints_a_day_and_orphans_a_week() -> None:
+    store = parse({}).store
+    assert (store.retention_min, store.orphan_age_min) == (1440, 10080)
+    assert (store.retention_s, store.orphan_age_s) == (86400.0, 604800.0)
+    assert load(Path(__file__).parents[2] / "contrib" / "config" / "config.toml").store == store
+
+
+def test_store_ages_are_taken_with_their_bounds() -> None:
+    store = parse({"store": {"retention_min": 0, "orphan_age_min": 60}}).store
+    assert (store.retention_min, store.orphan_age_min) == (0, 60)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"retention_min": -1}, "store.retention_min must be 0..5256000 minutes, got -1"),
+    ({"retention_min": 1.5}, "store.retention_min must be int, got 1.5 (float)"),
+    ({"orphan_age_min": 59}, "store.orphan_age_min must be at least 60 minutes, got 59"),
+    ({"keep": 3}, "unknown key(s) in [store]: keep; valid keys: orphan_age_min, retention_min"),
+])
+def test_bad_store_ages_are_refused_naming_the_key(raw: dict, message: str) -> None:
+    assert config_error({"store": raw}).startswith(message)

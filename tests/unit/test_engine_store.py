@@ -1,4 +1,5 @@
-"""Pruning a node's part of multi-node checkpoints never drops the last generation every node has."""
+"""The engine's use of the store: pruning a node's part of multi-node checkpoints never drops the last
+generation every node has; a restore takes only checkpoints of the job's own uid."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from singularity_slurm.checkpoint.criu import RestoreRefused
 from singularity_slurm.checkpoint.store import CheckpointStore
-from singularity_slurm.node.engine import CheckpointEngine
+from singularity_slurm.node.engine import CheckpointEngine, _check_taken_for
 
 JOB, RUN = 42, "0-0123456789abcdef"
 
@@ -79,3 +81,15 @@ def test_single_node_checkpoints_keep_the_newest(tmp_path: Path, keep: int) -> N
     engine._prune(JOB, None, RUN, common=None)
 
     assert engine.store.seqs(JOB) == [1, 2, 3, 4][-keep:]
+
+
+def test_a_checkpoint_of_another_uid_is_refused_as_a_reused_job_id(tmp_path: Path) -> None:
+    engine = engine_on(tmp_path)
+    with engine.store.begin(JOB, reason="periodic", meta={"uid": 1001}) as writer:
+        writer.add_bytes("images/core-1.img", b"core")
+        manifest = writer.commit()
+
+    _check_taken_for(manifest, 1001)
+    with pytest.raises(RestoreRefused, match="holds the processes of uid 1001, and job 42 runs as uid 1000: "
+                                             "the job id was used by an earlier job"):
+        _check_taken_for(manifest, 1000)
