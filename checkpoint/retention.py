@@ -80,6 +80,7 @@ class SweepAction:
     verdict: Verdict
     state: str | None  # the Slurm state it was decided on
     freed_bytes: int = 0
+    error: str | None = None  # why the verdict could not be carried out (the next sweep tries again)
 
 
 def store_roots(root: Path) -> list[Path]:
@@ -199,8 +200,13 @@ def sweep(root: Path, states: Mapping[str, str], now: float, retention_s: float,
         for folder in job_folders(roots, only):
             state = states.get(folder.job_id)
             verdict = decide(folder, state, now, retention_s, orphan_age_s)
-            freed = 0 if dry_run or verdict is Verdict.KEEP else apply(folder, verdict, now)
-            actions.append(SweepAction(str(folder.path), folder.job_id, verdict, state, freed))
+            freed, error = 0, None
+            if not dry_run and verdict is not Verdict.KEEP:
+                try:
+                    freed = apply(folder, verdict, now)
+                except OSError as exc:  # a folder that is a mount point, a read-only store...
+                    error = str(exc)
+            actions.append(SweepAction(str(folder.path), folder.job_id, verdict, state, freed, error))
         if only is None:
             for path in leftovers(roots):
                 freed = 0 if dry_run else _remove_leftover(path)

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("store sweep failed: %s", exc)
         return 1
     for action in actions:
-        if action.verdict is not retention.Verdict.KEEP:
+        if action.error:
+            log.warning("store: could not %s %s: %s", action.verdict, action.folder, action.error)
+        elif action.verdict is not retention.Verdict.KEEP:
             log.info("store: %s %s (job state %s, %d bytes freed)", action.verdict, action.folder,
                      action.state or "unknown to Slurm", action.freed_bytes)
     return 0

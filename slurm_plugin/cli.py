@@ -313,6 +313,9 @@ def admin_gc_cmd(config_path: Path | None, dry_run: bool, as_json: bool) -> None
 
     from singularity_slurm.node.retire import sweep_store
 
+    if os.geteuid() != 0:
+        _fail(SingularityError("admin gc must run as root: only root reads and writes the checkpoint "
+                               "store (run `sudo singularityctl admin gc`)"))
     config = _load(config_path)
     try:
         actions = sweep_store(config, SlurmClient(), time.time(), dry_run=dry_run)
@@ -322,12 +325,13 @@ def admin_gc_cmd(config_path: Path | None, dry_run: bool, as_json: bool) -> None
     if as_json:
         click.echo(json.dumps({"dry_run": dry_run, "folders": len(actions), "actions": [
             {"folder": a.folder, "job_id": a.job_id or None, "verdict": str(a.verdict), "state": a.state,
-             "freed_bytes": a.freed_bytes} for a in changed]}, indent=2))
+             "freed_bytes": a.freed_bytes, "error": a.error} for a in changed]}, indent=2))
         return
     for a in changed:
         what = "would " + str(a.verdict) if dry_run else str(a.verdict)
         click.echo(f"{what:<18} {a.folder}  (job state: {a.state or 'unknown to Slurm'}"
-                   + (f", {a.freed_bytes / 2**20:.1f} MiB freed)" if a.freed_bytes else ")"))
+                   + (f", {a.freed_bytes / 2**20:.1f} MiB freed)" if a.freed_bytes else ")")
+                   + (f"  FAILED: {a.error}" if a.error else ""))
     freed = sum(a.freed_bytes for a in changed)
     click.echo(f"{len(actions)} folders judged, {len(changed)} changed, {freed / 2**20:.1f} MiB freed"
                + (" (dry run: nothing changed)" if dry_run else ""))

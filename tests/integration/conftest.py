@@ -42,13 +42,35 @@ def cluster() -> None:
     users = [u for u in default_layout().job_users if _exists(u)]
     for user in users:
         subprocess.run(["scancel", "--user", user], capture_output=True)
-    deadline = time.monotonic() + 60
+    _wait_until_no_jobs(users)
+
+
+def _wait_until_no_jobs(users: list[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
     while users and time.monotonic() < deadline:
         left = subprocess.run(["squeue", "--noheader", "--user", ",".join(users)],
                               capture_output=True, text=True).stdout.strip()
         if not left:
             break
         time.sleep(0.5)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def store_holds_only_live_jobs(cluster) -> Iterator[None]:
+    """After the whole suite, the store holds nothing but the folders of jobs that still live: every
+    job that ended has gone (the dev cluster keeps ended jobs' checkpoints for 0 minutes)."""
+    yield
+    config = config_mod.load()
+    _wait_until_no_jobs([u for u in default_layout().job_users if _exists(u)])
+    proc = subprocess.run([CTL, "admin", "gc", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    live = {r["JobId"] for r in SlurmClient().jobs()
+            if r.get("JobState") not in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
+                                         "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY")}
+    roots = [config.paths.store_root, *sorted((config.paths.store_root / "ranks").glob("*"))]
+    left = {str(folder): sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            for root in roots for folder in (root / "jobs").glob("*") if folder.name not in live}
+    assert not left, f"the store still holds folders of jobs that ended (bytes): {left}"
 
 
 def _exists(user: str) -> bool:

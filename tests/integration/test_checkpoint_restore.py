@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -226,6 +227,12 @@ def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_is_used(jobs, refe
     data = bytearray(chunk.read_bytes())
     data[offset + length // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
+    # and a newer manifest that is valid JSON of the wrong shape, with lengths no chunk has
+    bogus = store.manifest_path(job_id, second["seq"] + 1)
+    doc = json.loads(store.manifest_path(job_id, second["seq"]).read_text())
+    doc.update(seq=second["seq"] + 1, files=[{"path": "images/x", "mode": 420, "size": -1,
+                                              "chunks": [["0" * 32, 1 << 62]]}])
+    bogus.write_text(json.dumps(doc))
 
     pids = subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"],
                           capture_output=True, text=True).stdout.split()
@@ -235,13 +242,14 @@ def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_is_used(jobs, refe
     jobs.wait_state(job_id, "COMPLETED", timeout=180)
 
     text = log.read_text()
+    assert f"checkpoint {second['seq'] + 1} refused: manifest {bogus} is malformed: " in text
     assert f"checkpoint {second['seq']} refused: " in text
     assert f"restored checkpoint {first['seq']} " in text
     assert reference_log.endswith(_resumed_part(text))
     status = json.loads(subprocess.run([CTL, "status", str(job_id), "--json"], capture_output=True,
                                        text=True).stdout)
     assert status["restores"][-1]["seq"] == first["seq"]
-    assert status["restores"][-1]["refused"][0]["seq"] == second["seq"]
+    assert [r["seq"] for r in status["restores"][-1]["refused"]] == [second["seq"] + 1, second["seq"]]
 
 
 @pytest.fixture
@@ -277,6 +285,9 @@ def test_a_full_store_during_a_dump_keeps_the_last_checkpoint_and_the_job(jobs, 
     node = jobs.record(job_id)["NodeList"]
     urgent = jobs.submit(jobs.script("urgent.sh", URGENT), f"--nodelist={node}")
     _wait_for_text(jobs, job_id, log, "restored checkpoint", timeout=180)
+    store = CheckpointStore(config.paths.store_root)  # while the job lives: its end deletes its folder
+    assert store.seqs(job_id) == [first["seq"]]
+    store.verify(store.read(job_id, first["seq"]))
     jobs.wait_state(urgent, "COMPLETED")
     jobs.wait_state(job_id, "COMPLETED", timeout=180)
 
@@ -288,9 +299,6 @@ def test_a_full_store_during_a_dump_keeps_the_last_checkpoint_and_the_job(jobs, 
     assert "is full" in status["failures"][-1]["error"]
     assert f"restored checkpoint {first['seq']} " in text
     assert reference_log.endswith(_resumed_part(text))
-    store = CheckpointStore(config.paths.store_root)
-    assert store.seqs(job_id) == [first["seq"]]
-    store.verify(store.read(job_id, first["seq"]))
 
 
 def test_a_cancelled_job_is_not_checkpointed_or_requeued(jobs, job_user, config):
@@ -336,3 +344,74 @@ def test_a_two_node_job_is_checkpointed_and_restored_on_every_node(jobs, referen
     assert "preemption warning (SIGUSR2): checkpointing" in text
     for rank_log in ranks:
         assert rank_log.read_text() == reference_log
+
+
+def test_a_reused_job_id_starts_afresh_and_an_ended_job_leaves_nothing_in_the_store(
+        jobs, reference_log, job_user, other_user, config):
+    shutil.copy(EXAMPLE, jobs.workdir)
+    shutil.chown(jobs.workdir / "train_reference.py", jobs.user)
+    job_id = jobs.submit(jobs.script("train.sh", TRAIN.format(options="", sleep=0.02)), "--hold")
+    # An earlier job 42 of another user left its checkpoints (a lost StateSaveLocation restarts ids).
+    root = config.paths.store_root
+    planted = []
+    for part in (root, root / "ranks" / "1"):
+        store = CheckpointStore(part, max_chunk=4096, pack_chunks=True)
+        with store.begin(job_id, reason="periodic", meta={"uid": pwd.getpwnam(other_user).pw_uid}) as writer:
+            writer.add_bytes("images/core-1.img", b"the earlier job's process")
+            planted.append(writer.commit())
+    subprocess.run(["scontrol", "release", str(job_id)], check=True)
+
+    log = jobs.wait_for_file("train.out")
+    _wait_for_text(jobs, job_id, log, "step 20 ")
+    stale = sorted((root / "jobs").glob(f".stale-{job_id}-*")) + sorted(
+        (root / "ranks/1/jobs").glob(f".stale-{job_id}-*"))
+    assert len(stale) == 2, "the Prolog did not move the earlier job's folders aside"
+    owner = json.loads((CheckpointStore(root).job_dir(job_id) / "owner.json").read_text())
+    assert owner["uid"] == job_user.pw_uid
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+    assert training_log(log.read_text()) == reference_log
+    # The job ended for good: with the dev cluster's retention of 0 its folder goes once Slurm says so.
+    deadline = time.monotonic() + 60
+    while CheckpointStore(root).job_dir(job_id).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not CheckpointStore(root).job_dir(job_id).exists()
+
+    # What an earlier job left goes at the next sweep of the whole store (one may have run already).
+    proc = subprocess.run([CTL, "admin", "gc", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not any(p.exists() for p in stale)
+
+
+def test_admin_gc_collects_an_orphan_by_age_and_says_so_first_in_a_dry_run(config):
+    root = config.paths.store_root / "jobs"
+    old, young = root / "3999999998", root / "3999999999"  # ids Slurm does not know
+    for folder in (old, young):
+        (folder / "manifests").mkdir(parents=True, exist_ok=True)
+        (folder / "runs.json").write_text("{}")
+    week_ago = time.time() - config.store.orphan_age_s - 60
+    for path in (old / "runs.json", old / "manifests", old):
+        os.utime(path, (week_ago, week_ago))
+    try:
+        dry = subprocess.run([CTL, "admin", "gc", "--dry-run"], capture_output=True, text=True)
+        assert dry.returncode == 0, dry.stderr
+        assert f"would delete       {old}  (job state: unknown to Slurm)" in dry.stdout
+        assert str(young) not in dry.stdout
+        assert dry.stdout.rstrip().endswith("(dry run: nothing changed)")
+        assert old.exists()
+
+        real = subprocess.run([CTL, "admin", "gc", "--json"], capture_output=True, text=True)
+        assert real.returncode == 0, real.stderr
+        actions = {a["folder"]: a for a in json.loads(real.stdout)["actions"]}
+        assert actions[str(old)]["verdict"] == "delete" and actions[str(old)]["freed_bytes"] == 2
+        assert str(young) not in actions
+        assert not old.exists() and young.exists()
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(young, ignore_errors=True)
+
+
+def test_admin_gc_is_for_root(job_user):
+    proc = run_as(job_user.pw_name, [CTL, "admin", "gc"])
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("singularityctl: error: admin gc must run as root")
