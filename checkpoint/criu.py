@@ -139,6 +139,7 @@ class Criu:
             client.opts.log_file = "dump.log"
             client.opts.log_level = 4
             client.opts.file_locks = True
+            _ignore_cgroups(client.opts)
             try:
                 client.dump()
             except pycriu.CRIUException as exc:
@@ -170,6 +171,7 @@ class Criu:
         req.opts.rst_sibling = True
         req.opts.file_locks = True
         req.opts.notify_scripts = check is not None
+        _ignore_cgroups(req.opts)
         root_pid = 0
         refusal: str | None = None
         try:
@@ -213,6 +215,15 @@ class Criu:
 
 class RestoreRefused(CheckpointError):
     """The restored tree held what its user may not open: criu killed it before it ran."""
+
+
+def _ignore_cgroups(opts) -> None:
+    """criu neither records nor re-creates the tree's cgroups: they are the job's, on the node where
+    it ran, and the caller puts a restored tree into the new job's own (see node.jobcgroup)."""
+    from pycriu import rpc_pb2 as rpc
+
+    opts.manage_cgroups = False
+    opts.manage_cgroups_mode = rpc.IGNORE
 
 
 def _receive(sock, rpc):

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from singularity_slurm import rpc
-from singularity_slurm.node import runs, services
+from singularity_slurm.node import jobcgroup, runs, services
 from singularity_slurm.rpc import RequestError
 
 if TYPE_CHECKING:
@@ -137,13 +137,17 @@ class AgentState:
         self.init_pid: int | None = None
         self.exit_status: int | None = None
         self.last_checkpoint: dict | None = None
+        self.cgroups: list[Path] = []  # the job's extern step cgroups on this node, once a caller showed them
 
     # --- protocol ---------------------------------------------------------------------------------
 
-    def handle(self, request: dict, peer_uid: int, after_reply: list | None = None) -> dict:
-        """Serve one request. `after_reply` collects callbacks to run once the caller has the reply."""
+    def handle(self, request: dict, peer_uid: int, after_reply: list | None = None,
+               peer_pid: int | None = None) -> dict:
+        """Serve one request. `after_reply` collects callbacks to run once the caller has the reply;
+        `peer_pid` (SO_PEERCRED) is where a start or restore looks for the job's cgroups."""
         if not authorized(peer_uid, self.job_uid):
             return rpc.error_reply(rpc.Forbidden(f"uid {peer_uid} may not act on job {self.job_id}"))
+        _CALL.peer_pid = peer_pid
         return self.dispatch(request, after_reply)
 
     def dispatch(self, request: dict, after_reply: list | None = None) -> dict:
@@ -197,10 +201,11 @@ class AgentState:
             request = {**request, "env": {**(request.get("env") or {}), **extra}}
         spec = engine.tree_spec(request, self.job_uid, self.job_id)
         self.run_key = _run_key(request)
+        cgroups = self._job_cgroups()
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
-            self.init_pid, waiter = engine.start(spec)
+            self.init_pid, waiter = engine.start(spec, cgroups)
             self._running(waiter)
         LOG.info("job %s node %s: started %s (ns init pid %s)", self.job_id, self.node,
                  spec.argv, self.init_pid)
@@ -214,11 +219,24 @@ class AgentState:
             engine.use_rank(request.get("rank", 0))
             self._configure_proxies(request.get("proxy"))
             self.run_key = _run_key(request)
-            result = engine.restore(self.job_id, self.job_uid, request.get("generation"), self.run_key)
+            result = engine.restore(self.job_id, self.job_uid, request.get("generation"), self.run_key,
+                                    cgroups=self._job_cgroups())
             self.init_pid = result["init_pid"]
             self._running(result.pop("waiter"))
         LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])
         return result
+
+    def _job_cgroups(self) -> list[Path]:
+        """The job's extern step cgroups, from the caller's (a process of a step of the job here)."""
+        pid = getattr(_CALL, "peer_pid", None)
+        found = jobcgroup.targets_of(pid, self.job_id) if pid else []
+        if found:
+            self.cgroups = found
+        elif not self.cgroups:
+            LOG.warning("job %s node %s: no extern step cgroup of the job found from pid %s; its processes "
+                        "are not contained (configure ProctrackType=proctrack/cgroup and "
+                        "PrologFlags=Contain)", self.job_id, self.node, pid)
+        return self.cgroups
 
     def _running(self, waiter) -> None:
         self.state = TreeState.RUNNING
@@ -538,7 +556,7 @@ def serve(socket_path: Path, state: AgentState, limits: rpc.Limits | None = None
         return f"uid {peer.uid} may not act on job {state.job_id}: only root and the job's user may"
 
     server = rpc.Server(socket_path, lambda request, call: state.handle(request, call.peer.uid,
-                                                                        call.after_reply),
+                                                                        call.after_reply, call.peer.pid),
                         name=f"the node agent of job {state.job_id}", mode=0o666, allow=allow,
                         limits=limits or rpc.Limits(max_connections=MAX_CONNECTIONS))
     # The kernel may deliver SIGTERM to any thread, which would not wake a main thread blocked on a

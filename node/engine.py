@@ -33,7 +33,7 @@ from singularity_slurm.interpose import filelog
 from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
-from . import jobtree, localfiles, restorecheck, runs
+from . import jobcgroup, jobtree, localfiles, restorecheck, runs
 from .userio import UserCreds
 
 KEEP_CHECKPOINTS = 3
@@ -177,8 +177,10 @@ class CheckpointEngine:
                                         ld_preload=env.get("LD_PRELOAD") or None)}
         return jobtree.TreeSpec(argv, uid, gid, cwd, output, env)
 
-    def start(self, spec: jobtree.TreeSpec) -> tuple[int, Callable[[], int]]:
-        proc = jobtree.spawn(spec)
+    def start(self, spec: jobtree.TreeSpec,
+              cgroups: list[Path] | None = None) -> tuple[int, Callable[[], int]]:
+        """Start the tree (in the job's `cgroups` before it runs anything); (init pid, waiter)."""
+        proc = jobtree.spawn(spec, cgroup_procs=jobcgroup.procs_files(cgroups or []))
         init_pid = jobtree.namespace_init(proc.pid)
         deadline = time.monotonic() + 10
         while not jobtree.user_init_started(init_pid, spec.uid) and proc.poll() is None:
@@ -263,11 +265,12 @@ class CheckpointEngine:
     # --- restore ----------------------------------------------------------------------------------
 
     def restore(self, job_id: int, uid: int, generation: str | None = None,
-                run: str | None = None) -> dict[str, Any]:
+                run: str | None = None, cgroups: list[Path] | None = None) -> dict[str, Any]:
         """Restore the newest checkpoint whose restored tree holds nothing its user could not open.
 
         A checkpoint that fails that check (see restorecheck) is refused like a corrupt one, and the
         next older one is tried; with `generation` (a multi-node checkpoint) there is no other.
+        The restored tree joins the job's `cgroups` before any of its tasks runs.
         """
         started = time.monotonic()
         self._check_trusted(job_id)
@@ -291,7 +294,7 @@ class CheckpointEngine:
             tried.add(manifest.seq)
             try:
                 _check_taken_for(manifest, uid)
-                pid, notices = self._restore_one(job_id, manifest, creds)
+                pid, notices = self._restore_one(job_id, manifest, creds, cgroups or [])
                 break
             except RestoreRefused as exc:
                 if generation is not None:
@@ -310,7 +313,8 @@ class CheckpointEngine:
             "waiter": lambda: _exit_status(os.waitpid(pid, 0)[1]),
         }
 
-    def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds) -> tuple[int, list[str]]:
+    def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds,
+                     cgroups: list[Path]) -> tuple[int, list[str]]:
         """Put one checkpoint back and restore its tree; it runs only if what it holds passes the
         check (else RestoreRefused, and criu has killed the tree)."""
         work = self.run_dir / f"restore-{manifest.seq}"
@@ -338,7 +342,10 @@ class CheckpointEngine:
                                 if log_file.exists() else set())
                 problems = restorecheck.check_tree(pid, creds.uid, creds.groups, ignore=ignore)
                 if not problems:
-                    return None
+                    # Contained before it runs: criu leaves its tasks in criu's own cgroups.
+                    moved = jobcgroup.join(jobcgroup.tree(pid), cgroups)
+                    return (f"the restored processes could not join the job's cgroups: {moved[0]}"
+                            if moved else None)
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 return (f"the restored processes would hold what the job's user may not open: "
                         f"{problems[0]}{more}")

@@ -45,6 +45,14 @@ cd "$dir" || exit 123
 wait $!
 """
 
+# Root's first step when the job has cgroups: join them (writing its own pid), then become unshare,
+# so that nothing of the tree ever runs outside them.
+_JOIN_CGROUPS = r"""
+n=$1; shift
+while [ "$n" -gt 0 ]; do echo $$ >"$1" || exit 124; shift; n=$((n - 1)); done
+exec "$@"
+"""
+
 SHELL = "/bin/sh"
 
 
@@ -75,16 +83,21 @@ class Programs:
                    shell=SHELL, python=sys.executable)
 
 
-def spawn_argv(spec: TreeSpec, programs: Programs, env_fd: int) -> list[str]:
-    """The command line of `unshare`; it holds no part of the job's environment (argv is public)."""
-    return [programs.unshare, "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
+def spawn_argv(spec: TreeSpec, programs: Programs, env_fd: int,
+               cgroup_procs: Sequence[str] = ()) -> list[str]:
+    """The command line of `unshare` (after joining `cgroup_procs`, the cgroup.procs files of the
+    job's cgroups); it holds no part of the job's environment (argv is public)."""
+    join = ([programs.shell, "-c", _JOIN_CGROUPS, "singularity-join-cgroups", str(len(cgroup_procs)),
+             *cgroup_procs] if cgroup_procs else [])
+    return [*join, programs.unshare, "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
             "--", programs.setsid, programs.shell, "-c", _ROOT_INIT, "singularity-root-init",
             programs.mount, programs.setpriv, str(spec.uid), str(spec.gid), programs.python,
             rootexec.USER_EXEC, str(env_fd), programs.shell, _USER_INIT, spec.output, spec.cwd,
             *spec.argv]
 
 
-def spawn(spec: TreeSpec, programs: Programs | None = None) -> subprocess.Popen:
+def spawn(spec: TreeSpec, programs: Programs | None = None,
+          cgroup_procs: Sequence[str] = ()) -> subprocess.Popen:
     """Start the tree; the returned process is `unshare`, the parent of the namespace's init.
 
     Everything that runs as root (unshare, setsid, sh, mount, setpriv) runs with a clean
@@ -97,7 +110,7 @@ def spawn(spec: TreeSpec, programs: Programs | None = None) -> subprocess.Popen:
     except OSError as exc:
         raise ServiceError(f"cannot hand the job's environment to its processes: {exc.strerror}") from exc
     try:
-        return subprocess.Popen(spawn_argv(spec, programs, env_fd), env=rootexec.clean_env(),
+        return subprocess.Popen(spawn_argv(spec, programs, env_fd, cgroup_procs), env=rootexec.clean_env(),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(env_fd,),
                                 start_new_session=True, cwd="/")

@@ -111,8 +111,14 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
                                                    " (not an executable file)" if value else "")
         key(name, ok, shown, f"set {name}={wanted} (install the project there: `make install`)")
     flags = conf.get("PrologFlags", "")
-    key("PrologFlags", _has_flag(flags, "Alloc"), f"PrologFlags={flags or '(unset)'}",
-        "add Alloc to PrologFlags (services must run on every node at allocation)")
+    key("PrologFlags", _has_flag(flags, "Alloc") and _has_flag(flags, "Contain"),
+        f"PrologFlags={flags or '(unset)'}",
+        "set PrologFlags=Alloc,Contain (services must run on every node at allocation, and the job's "
+        "extern step holds the processes the node agent starts)")
+    proctrack = conf.get("ProctrackType", "")
+    key("ProctrackType", proctrack == "proctrack/cgroup", f"ProctrackType={proctrack or '(unset)'}",
+        "set ProctrackType=proctrack/cgroup (and TaskPlugin=task/cgroup with a cgroup.conf): Slurm then "
+        "tracks, limits and ends the job's processes, even if a node agent dies")
     submit = conf.get("JobSubmitPlugins", "")
     key("JobSubmitPlugins", "lua" in submit, f"JobSubmitPlugins={submit or '(unset)'}",
         "set JobSubmitPlugins=lua")

@@ -93,6 +93,7 @@ def _write_configs(layout: Layout, say: Say) -> tuple[config_mod.Config, list[Pa
     files = {
         layout.slurm_etc / "slurm.conf": render.render_slurm_conf(layout, config, version),
         layout.slurm_etc / "gres.conf": render.render_gres_conf(layout),
+        layout.slurm_etc / "cgroup.conf": render.render_cgroup_conf(),
     }
     for path, text in files.items():
         if policy.write_atomic(path, text):
@@ -163,7 +164,7 @@ def up(layout: Layout | None = None, say: Say = print) -> Report:
     config, report.changed = _write_configs(layout, say)
 
     table = daemon_table(layout)
-    slurm_config_changed = any(p.name in {"slurm.conf", "gres.conf"} for p in report.changed)
+    slurm_config_changed = any(p.name in {"slurm.conf", "gres.conf", "cgroup.conf"} for p in report.changed)
     redis_config_changed = any(p.name == "redis.conf" for p in report.changed)
     for daemon in table:
         restart = (slurm_config_changed and daemon.program.startswith("slurm")) or (

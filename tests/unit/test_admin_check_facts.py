@@ -47,6 +47,7 @@ def good_facts(version: SlurmVersion = V2205, config: Config = CONFIG) -> Facts:
             "Prolog": PROLOG,
             "Epilog": EPILOG,
             "PrologFlags": "Alloc,Contain",
+            "ProctrackType": "proctrack/cgroup",
             "JobSubmitPlugins": "lua",
             "CliFilterPlugins": "lua",
             "PlugStackConfig": "/etc/slurm/plugstack.conf",
@@ -97,7 +98,7 @@ def only_failure(facts: Facts, config: Config = CONFIG) -> Result:
 ALL_NAMES_2205 = [
     "config", "slurm version", "slurm.conf PreemptType", "slurm.conf PreemptMode",
     "slurm.conf JobRequeue", "slurm.conf SlurmctldParameters", "slurm.conf Prolog",
-    "slurm.conf Epilog", "slurm.conf PrologFlags", "slurm.conf JobSubmitPlugins",
+    "slurm.conf Epilog", "slurm.conf PrologFlags", "slurm.conf ProctrackType", "slurm.conf JobSubmitPlugins",
     "slurm.conf CliFilterPlugins", "partition premium (tier premium)",
     "partition standard (tier standard) PreemptMode",
     "partition standard (tier standard) GraceTime",
@@ -287,6 +288,8 @@ def test_unset_prolog_fails() -> None:
     ("PreemptMode", "OFF", "PreemptMode=OFF"),
     ("JobRequeue", "0", "JobRequeue=0"),
     ("PrologFlags", "Contain", "PrologFlags=Contain"),
+    ("PrologFlags", "Alloc", "PrologFlags=Alloc"),
+    ("ProctrackType", "proctrack/linuxproc", "ProctrackType=proctrack/linuxproc"),
     ("JobSubmitPlugins", None, "JobSubmitPlugins=(unset)"),
     ("CliFilterPlugins", None, "CliFilterPlugins=(unset)"),
 ])

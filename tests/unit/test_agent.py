@@ -370,7 +370,7 @@ class RecordingEngine:
         self.requests.append(request)
         return SimpleNamespace(argv=request["argv"])
 
-    def start(self, spec: SimpleNamespace) -> tuple[int, Callable[[], int]]:
+    def start(self, spec: SimpleNamespace, cgroups: list | None = None) -> tuple[int, Callable[[], int]]:
         tree = subprocess.Popen(["sleep", "60"])
         self.trees.append(tree)
         return tree.pid, tree.wait

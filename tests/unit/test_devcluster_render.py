@@ -13,6 +13,7 @@ from singularity_slurm.devcluster.render import (
     GPUS_PER_NODE,
     Layout,
     preempt_signal_setting,
+    render_cgroup_conf,
     render_gres_conf,
     render_redis_conf,
     render_singularity_config,
@@ -81,7 +82,7 @@ def test_preemption_and_policy_settings() -> None:
     assert {k: conf[k] for k in ("PreemptType", "PreemptMode", "JobRequeue", "PrologFlags",
                                  "JobSubmitPlugins", "CliFilterPlugins", "GresTypes")} == {
         "PreemptType": "preempt/partition_prio", "PreemptMode": "REQUEUE", "JobRequeue": "1",
-        "PrologFlags": "Alloc", "JobSubmitPlugins": "lua", "CliFilterPlugins": "lua",
+        "PrologFlags": "Alloc,Contain", "JobSubmitPlugins": "lua", "CliFilterPlugins": "lua",
         "GresTypes": "gpu",
     }
     assert conf["SlurmctldHost"] == "devhost(127.0.0.1)"
@@ -162,6 +163,15 @@ def test_per_node_files_use_the_node_name_placeholder() -> None:
     assert conf["SlurmdLogFile"] == "/var/log/singularity-devcluster/slurmd-%n.log"
 
 
+def test_slurm_tracks_the_jobs_processes_in_cgroups_with_an_extern_step() -> None:
+    conf = settings(render_slurm_conf(LAYOUT, CONFIG, V2205))
+
+    assert (conf["ProctrackType"], conf["TaskPlugin"]) == ("proctrack/cgroup", "task/cgroup")
+    assert "Contain" in conf["PrologFlags"].split(",")
+    assert conf_lines(render_cgroup_conf()) == ["CgroupPlugin=autodetect", "ConstrainDevices=yes",
+                                                "ConstrainCores=no", "ConstrainRAMSpace=no"]
+
+
 # --- gres.conf and fake GPUs ----------------------------------------------------------------------
 
 
@@ -222,7 +232,7 @@ def test_singularity_config_is_valid_and_warns_within_the_grace_time() -> None:
 
 
 def test_no_rendered_file_leaves_a_python_repr() -> None:
-    texts = [render_slurm_conf(LAYOUT, CONFIG, V2205), render_gres_conf(LAYOUT),
+    texts = [render_slurm_conf(LAYOUT, CONFIG, V2205), render_gres_conf(LAYOUT), render_cgroup_conf(),
              render_redis_conf(LAYOUT, "pw"), render_singularity_config(LAYOUT)]
 
     assert [t for t in texts if re.search(r"PosixPath|None|\{|\}", t)] == []

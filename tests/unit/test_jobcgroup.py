@@ -1,0 +1,130 @@
+"""Finding a job's extern step cgroups from a process of the job's, and moving a tree into them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from singularity_slurm.node import jobcgroup, jobtree
+
+HYBRID_MOUNTINFO = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+34 31 0:31 / /sys/fs/cgroup/cpuset rw,relatime - cgroup cgroup rw,cpuset
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+
+# the launcher, a step of job 57 of uid 1000 on node n1 (a host with several slurmd: slurm_<node>)
+LAUNCHER_V1 = """\
+9:name=systemd:/
+6:freezer:/slurm_n1/uid_1000/job_57/step_3
+5:devices:/slurm_n1/uid_1000/job_57/step_3
+4:memory:/process_api/abc
+3:cpuset:/slurm_n1/uid_1000/job_57/step_3
+1:cpu:/
+0::/
+"""
+
+V2_MOUNTINFO = "25 1 0:23 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+LAUNCHER_V2 = "0::/system.slice/slurmstepd.scope/job_57/step_3/user/task_0\n"
+
+
+def existing(*paths: str):
+    known = {Path(p) for p in paths}
+    return lambda path: path in known
+
+
+def test_cgroup_v1_gives_the_extern_step_of_every_hierarchy_slurm_made_one_in() -> None:
+    targets = jobcgroup.extern_targets(
+        LAUNCHER_V1, HYBRID_MOUNTINFO, 57,
+        is_dir=existing("/sys/fs/cgroup/freezer/slurm_n1/uid_1000/job_57/step_extern",
+                        "/sys/fs/cgroup/devices/slurm_n1/uid_1000/job_57/step_extern"))
+
+    assert targets == [Path("/sys/fs/cgroup/freezer/slurm_n1/uid_1000/job_57/step_extern"),
+                       Path("/sys/fs/cgroup/devices/slurm_n1/uid_1000/job_57/step_extern")]
+
+
+def test_cgroup_v2_gives_the_extern_steps_task_leaf() -> None:
+    extern = "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_57/step_extern"
+    targets = jobcgroup.extern_targets(LAUNCHER_V2, V2_MOUNTINFO, 57, is_dir=existing(extern),
+                                       listdir=lambda path: ["task_special"] if str(path).endswith("user")
+                                       else [])
+
+    assert targets == [Path(extern) / "user" / "task_special"]
+
+
+def test_a_process_of_another_job_or_outside_any_job_shows_nothing() -> None:
+    every = lambda path: True  # noqa: E731
+    assert jobcgroup.extern_targets(LAUNCHER_V1, HYBRID_MOUNTINFO, 58, is_dir=every) == []
+    assert jobcgroup.extern_targets(LAUNCHER_V1.replace("job_57", "job_570"), HYBRID_MOUNTINFO, 57,
+                                    is_dir=every) == []
+    login_shell = "6:freezer:/\n0::/user.slice/user-1000.slice/session-3.scope\n"
+    assert jobcgroup.extern_targets(login_shell, HYBRID_MOUNTINFO, 57, is_dir=every) == []
+
+
+def test_without_an_extern_step_there_is_no_target() -> None:
+    assert jobcgroup.extern_targets(LAUNCHER_V1, HYBRID_MOUNTINFO, 57, is_dir=lambda path: False) == []
+
+
+def test_mount_points_and_controllers_are_read_from_mountinfo() -> None:
+    mounts = {m.point: (m.controllers, m.v2) for m in jobcgroup.cgroup_mounts(HYBRID_MOUNTINFO)}
+    assert mounts[Path("/sys/fs/cgroup/freezer")] == (frozenset({"freezer"}), False)
+    assert mounts[Path("/sys/fs/cgroup/systemd")] == (frozenset({"name=systemd"}), False)
+    assert mounts[Path("/sys/fs/cgroup/unified")] == (frozenset(), True)
+    assert Path("/sys/fs/cgroup") not in mounts  # the tmpfs holding them
+
+
+def test_the_tree_lists_every_descendant_parents_first() -> None:
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & sh -c 'sleep 30 & wait' & wait"])
+    try:
+        found = []
+        for _ in range(200):
+            found = jobcgroup.tree(proc.pid)
+            if len(found) == 4:
+                break
+            time.sleep(0.01)  # the shells are still forking
+        assert found[0] == proc.pid and len(found) == 4
+    finally:
+        for pid in reversed(jobcgroup.tree(proc.pid)):
+            os.kill(pid, 9)
+        proc.wait()
+
+
+def test_the_start_joins_every_cgroup_as_the_process_that_becomes_unshare(tmp_path: Path) -> None:
+    procs = [tmp_path / "a.procs", tmp_path / "b.procs"]
+    for path in procs:
+        path.write_text("")
+    argv = jobtree.spawn_argv(jobtree.TreeSpec(["true"], 1000, 1000, "/", "/dev/null", {}),
+                              jobtree.Programs("/usr/bin/unshare", "/usr/bin/setsid", "/bin/mount",
+                                               "/usr/bin/setpriv", "/bin/sh", "/usr/bin/python3"),
+                              9, [str(p) for p in procs])
+    join = argv[:argv.index("/usr/bin/unshare")]
+    assert join[:4] == ["/bin/sh", "-c", jobtree._JOIN_CGROUPS, "singularity-join-cgroups"]
+    assert join[4:] == ["2", *map(str, procs)]
+
+    # the join step, with a stand-in for unshare that prints its own pid
+    out = subprocess.run([*join, "/bin/sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    assert [p.read_text() for p in procs] == [out.stdout, out.stdout]
+
+
+def test_a_cgroup_that_cannot_be_joined_stops_the_start(tmp_path: Path) -> None:
+    join = ["/bin/sh", "-c", jobtree._JOIN_CGROUPS, "x", "1", str(tmp_path / "missing" / "cgroup.procs"),
+            "/bin/echo", "ran"]
+    proc = subprocess.run(join, capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout) == (124, "")
+
+
+def test_join_reports_what_it_could_not_move(tmp_path: Path) -> None:
+    target = tmp_path / "cg"
+    target.mkdir()
+    (target / "cgroup.procs").write_text("")
+    assert jobcgroup.join([os.getpid()], [target]) == []
+    assert (target / "cgroup.procs").read_text() == f"{os.getpid()}\n"
+    problems = jobcgroup.join([os.getpid()], [tmp_path / "gone"])
+    assert len(problems) == 1 and problems[0].startswith(f"pid {os.getpid()} into {tmp_path / 'gone'}: ")
