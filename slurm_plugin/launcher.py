@@ -272,26 +272,31 @@ class Launcher:
         except rpc.RemoteError as exc:
             raise LaunchError(f"{payload['op']}: {exc}", exc.kind) from exc
 
-    def fanout(self, op: str, payload: dict | None = None, timeout: float | None = None) -> list[dict]:
-        """The same request to the agent of every node of the job (a job step, one task per node).
+    def fanout(self, op: str, payload: dict | None = None, timeout: float | None = None,
+               nodes: list[str] | None = None) -> list[dict]:
+        """The same request to the agent of every node of the job, or of `nodes` (a job step, one
+        task per node). The step's start brings up a node's services where they are missing (the
+        SPANK plugin), so this also reaches an agent that had died.
 
         Each node's reply is returned in node order; any failed reply raises, naming the node.
         """
         ctl = str(Path(sys.executable).with_name("singularityctl"))
-        n = len(self.info.nodes)
+        nodes = nodes or self.info.nodes
+        n = len(nodes)
         argv = ["srun", f"--jobid={self.info.job_id}", "--overlap", f"--nodes={n}", f"--ntasks={n}",
-                "--ntasks-per-node=1", "--label", "--quiet", "--kill-on-bad-exit=0", ctl, "agent-call",
+                "--ntasks-per-node=1", "--label", "--quiet", "--kill-on-bad-exit=0",
+                *([f"--nodelist={','.join(nodes)}"] if nodes != self.info.nodes else []), ctl, "agent-call",
                 op, json.dumps(payload or {})]
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise LaunchError(f"{op} on every node did not finish within {timeout:.0f}s") from exc
         replies = parse_labelled_replies(proc.stdout, n)
-        missing = [self.info.nodes[i] for i, r in enumerate(replies) if r is None]
+        missing = [nodes[i] for i, r in enumerate(replies) if r is None]
         if missing:
             raise LaunchError(f"{op}: no answer from the agents of {', '.join(missing)}: "
                               f"{proc.stderr.strip()[-500:]}")
-        failed = [(self.info.nodes[i], r) for i, r in enumerate(replies) if not r.get("ok")]
+        failed = [(nodes[i], r) for i, r in enumerate(replies) if not r.get("ok")]
         if failed:
             kinds = {str(r.get("kind")) for _, r in failed}
             why = "; ".join(f"{node}: {r.get('error')}" for node, r in failed)
@@ -407,12 +412,23 @@ class Launcher:
 
     def requeue(self, action: lifecycle.Requeue) -> None:
         if action.through_slurm:
+            # The agent is gone. A step on this node brings a new one up, whose requeue also lifts
+            # Slurm's requeue delay (the job would wait two minutes); Slurm itself is the last resort.
             try:
-                ok = SlurmClient(timeout=30).requeue(self.info.job_id)
+                self.fanout("requeue", {}, timeout=120, nodes=[self.info.node])
+            except LaunchError as exc:
+                revive_error = str(exc)  # or the requeue ended the step before it answered
+            else:
+                self.events.put(lifecycle.RequeueDone())
+                return
+            try:
+                requeued_now = SlurmClient(timeout=30).requeue(self.info.job_id)
             except SingularityError as exc:
                 self.events.put(lifecycle.RequeueFailed(str(exc)))
                 return
-            self.events.put(lifecycle.RequeueDone() if ok else lifecycle.RequeueFailed("Slurm refused"))
+            if requeued_now:
+                self.say(f"requeued through Slurm, with its requeue delay (no new agent: {revive_error})")
+            self.events.put(lifecycle.RequeueDone())
             return
         try:
             self.agent({"op": "requeue", "exclude": list(action.exclude)}, timeout=120)
