@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,12 @@ def pages_boundaries(images_dir: Path) -> dict[str, list[int]]:
 
 
 def upload(store: CheckpointStore, job_id: int, images_dir: Path, reason: str,
-           meta: Mapping[str, Any], extra: Mapping[str, Path] | None = None) -> Manifest:
+           meta: Mapping[str, Any], extra: Mapping[str, Path] | None = None,
+           fault: Callable[[], None] | None = None) -> Manifest:
     """Store a CRIU image folder (and `extra` files: checkpoint path -> source) as one checkpoint.
 
-    Nothing is visible until every file is stored and the manifest is committed.
+    Nothing is visible until every file is stored and the manifest is committed. `fault` runs once
+    the first file is stored (a test's fault point: the write is then half done).
     """
     boundaries = pages_boundaries(images_dir)
     with store.begin(job_id, reason=reason, meta=dict(meta)) as writer:
@@ -52,6 +54,9 @@ def upload(store: CheckpointStore, job_id: int, images_dir: Path, reason: str,
             if path.is_file():
                 rel = path.relative_to(images_dir).as_posix()
                 writer.add_file(f"images/{rel}", path, boundaries=boundaries.get(path.name))
+                if fault is not None:
+                    fault()
+                    fault = None
         for rel, path in (extra or {}).items():
             writer.add_file(rel, path)
         return writer.commit()

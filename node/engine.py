@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from singularity_slurm import rootexec
+from singularity_slurm import faults, rootexec
 from singularity_slurm.checkpoint import images
 from singularity_slurm.checkpoint.criu import Criu, RestoreRefused, filelog_shim_path, wrapper_path
 from singularity_slurm.checkpoint.generation import newest_first
@@ -235,6 +235,7 @@ class CheckpointEngine:
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                     generation: str | None, run: str | None, work: Path, started: float) -> dict[str, Any]:
         output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
+        faults.point(self.config, "dump", self.node)
         self.criu.dump(init_pid, work, leave_running=not stop)
         dumped = time.monotonic()
         creds = UserCreds.of_uid(uid)
@@ -246,11 +247,12 @@ class CheckpointEngine:
                 "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
                 "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
                 "rank": self.rank, "generation": generation, "run": run,
-            }, extra=local.entries)
+            }, extra=local.entries, fault=lambda: faults.point(self.config, "store-write", self.node))
         finally:
             shutil.rmtree(copies, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
         localfiles.tell_job(creds, output, local.notices, f"{NOTICE}checkpoint {manifest.seq}: ")
+        faults.point(self.config, "commit", self.node)  # committed, not yet answered (nor requeued)
         summary = summarize(manifest, time.monotonic() - started)
         self._index(lambda registry: registry.record_checkpoint(job_id, summary))
         return {**summary, "notices": local.notices} if local.notices else summary
@@ -350,6 +352,7 @@ class CheckpointEngine:
                 return (f"the restored processes would hold what the job's user may not open: "
                         f"{problems[0]}{more}")
 
+            faults.point(self.config, "restore", self.node)
             pid = self.criu.restore(image_dir, check=check)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -366,6 +369,7 @@ class CheckpointEngine:
         """
         record = self.slurm.job(job_id) or {}
         restarts = int(record.get("Restarts", 0) or 0)
+        faults.point(self.config, "requeue", self.node)
         requeued = self.slurm.requeue(job_id)
         argv = [sys.executable, "-I", "-m", "singularity_slurm.node.release", str(job_id), str(restarts)]
         if exclude:

@@ -200,4 +200,7 @@ def render_singularity_config(layout: Layout) -> str:
         "[store]",
         "retention_min = 0  # a finished test job's checkpoints go when it ends",
         "",
+        "[testing]",
+        "faults = true  # the tests arm fault points (never on a production cluster)",
+        "",
     ])

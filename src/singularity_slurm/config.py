@@ -121,6 +121,11 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class TestingConfig:
+    faults: bool = False  # fault points of checkpoint and restore may be armed (singularity_slurm.faults)
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     operators: tuple[str, ...] = ()  # user names that may checkpoint and migrate any job, like root
 
@@ -140,6 +145,7 @@ class Config:
     admin: AdminConfig = field(default_factory=AdminConfig)
     local_files: LocalFilesConfig = field(default_factory=LocalFilesConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
     source: Path | None = field(default=None, compare=False)
 
     def tier(self, name: str) -> TierConfig:
@@ -196,12 +202,15 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "store.orphan_age_min": (StoreConfig.orphan_age_min, int,
                              "minutes after which a job folder in the store that Slurm no longer knows and "
                              "nothing changed is collected"),
+    "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
+                       "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
+                       "cluster"),
     "admin.operators": ([], list, "user names that may checkpoint and migrate any user's job, like root "
                         "(they need read access to redis.password_file)"),
 }
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
-_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store"}
+_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store", "testing"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 _USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 """A POSIX user name (as useradd accepts it); `root` needs no entry."""
@@ -336,6 +345,10 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"store.orphan_age_min must be at least 60 minutes, got {ages['orphan_age_min']}: "
                           "a job Slurm has not registered yet must not lose its folder")
 
+    testing_raw = data.get("testing", {})
+    _check_keys(testing_raw, {"faults"}, "testing")
+    testing = TestingConfig(faults=_take(testing_raw, "faults", "testing", bool, False))
+
     return Config(
         default_tier=default_tier,
         tiers=tiers,
@@ -353,6 +366,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         admin=AdminConfig(operators=tuple(operators)),
         local_files=LocalFilesConfig(**limits),
         store=StoreConfig(**ages),
+        testing=testing,
         source=source,
     )
 

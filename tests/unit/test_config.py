@@ -136,7 +136,7 @@ def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
 def test_unknown_top_level_section_lists_valid_sections() -> None:
     assert config_error({"tier": {}}) == (
         "unknown key(s) in [top level]: tier; valid keys: admin, local_files, paths, preemption, proxy, "
-        "redis, store, tiers"
+        "redis, store, testing, tiers"
     )
 
 
@@ -620,3 +620,10 @@ def test_store_ages_are_taken_with_their_bounds() -> None:
 ])
 def test_bad_store_ages_are_refused_naming_the_key(raw: dict, message: str) -> None:
     assert config_error({"store": raw}).startswith(message)
+
+
+def test_fault_points_are_off_unless_the_configuration_turns_them_on() -> None:
+    assert parse({}).testing.faults is False
+    assert load(Path(__file__).parents[2] / "contrib" / "config" / "config.toml").testing.faults is False
+    assert parse({"testing": {"faults": True}}).testing.faults is True
+    assert config_error({"testing": {"faults": "yes"}}).startswith("testing.faults must be bool, got 'yes'")
