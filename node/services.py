@@ -75,6 +75,9 @@ def start(spec: ServiceSpec, run_dir: Path, env: dict[str, str] | None = None,
     existing = running_pid(run_dir, spec.name)
     if existing is not None:
         return existing
+    if spec.ready_path is not None:
+        # Left by a predecessor that died (a killed agent's socket): it would read as ready at once.
+        spec.ready_path.unlink(missing_ok=True)
     log = open(run_dir / f"{spec.name}.log", "ab")
     try:
         proc = subprocess.Popen(

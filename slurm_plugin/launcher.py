@@ -411,31 +411,36 @@ class Launcher:
                 self.say(f"could not record the end of this run: {exc}")
 
     def requeue(self, action: lifecycle.Requeue) -> None:
-        if action.through_slurm:
-            # The agent is gone. A step on this node brings a new one up, whose requeue also lifts
-            # Slurm's requeue delay (the job would wait two minutes); Slurm itself is the last resort.
+        """Through this node's agent (which also lifts Slurm's requeue delay and keeps a migrated job
+        off the nodes it leaves); if it is gone, through a new one that a step on this node brings
+        up; as the last resort through Slurm itself, with its delay."""
+        payload = {"exclude": list(action.exclude)}
+        problems = []
+        if not action.through_slurm:
             try:
-                self.fanout("requeue", {}, timeout=120, nodes=[self.info.node])
+                self.agent({"op": "requeue", **payload}, timeout=120)
             except LaunchError as exc:
-                revive_error = str(exc)  # or the requeue ended the step before it answered
+                problems.append(str(exc))
             else:
                 self.events.put(lifecycle.RequeueDone())
                 return
-            try:
-                requeued_now = SlurmClient(timeout=30).requeue(self.info.job_id)
-            except SingularityError as exc:
-                self.events.put(lifecycle.RequeueFailed(str(exc)))
-                return
-            if requeued_now:
-                self.say(f"requeued through Slurm, with its requeue delay (no new agent: {revive_error})")
+        try:
+            self.fanout("requeue", payload, timeout=120, nodes=[self.info.node])
+        except LaunchError as exc:
+            problems.append(str(exc))  # or the requeue ended the step before it answered
+        else:
             self.events.put(lifecycle.RequeueDone())
             return
         try:
-            self.agent({"op": "requeue", "exclude": list(action.exclude)}, timeout=120)
-        except LaunchError as exc:
-            self.events.put(lifecycle.RequeueFailed(str(exc)))
-        else:
-            self.events.put(lifecycle.RequeueDone())
+            requeued_now = SlurmClient(timeout=30).requeue(self.info.job_id)
+        except SingularityError as exc:
+            self.events.put(lifecycle.RequeueFailed("; ".join([*problems, str(exc)])))
+            return
+        if requeued_now:
+            self.say("requeued through Slurm, with its requeue delay"
+                     + (f", and not kept off {','.join(action.exclude)}" if action.exclude else "")
+                     + f" (the node agent could not: {problems[-1]})")
+        self.events.put(lifecycle.RequeueDone())
 
     # --- start, restore, the tree -----------------------------------------------------------------
 

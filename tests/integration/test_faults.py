@@ -1,0 +1,122 @@
+"""Faults never lose a committed checkpoint, never strand a job, and leave none of its processes
+running outside its cgroup: one training job, its node agent killed (from outside while it simply
+runs, and by fault points during a dump, during the store write, and between a commit and the
+requeue), resumes each time and completes with the reference log.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import CTL, run_as
+from test_checkpoint_restore import EXAMPLE, PYTHON, STEPS, TRAIN, URGENT, _wait_for_text, training_log
+
+from singularity_slurm import faults
+from singularity_slurm.jobenv import job_run_dir
+from singularity_slurm.node import services
+
+
+def training_pids() -> list[int]:
+    """The training process and its DataLoader workers (not the launcher, whose argv names it too)."""
+    out = subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"],
+                         capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def assert_contained(job_id: int) -> None:
+    """Every process of the job's training is in the job's extern step (Slurm ends it with the job)."""
+    pids = training_pids()
+    assert pids, "the training is not running"
+    for pid in pids:
+        try:
+            freezer = next(line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                           if ":freezer:" in line)
+        except FileNotFoundError:
+            continue  # a DataLoader worker that just ended
+        assert f"/job_{job_id}/step_extern" in freezer, (pid, freezer)
+
+
+def assert_resumed_exactly(reference: str, text: str) -> None:
+    """The job's log, cut at each restore: every piece is a run of the reference's lines, each one
+    starts at a step an earlier piece printed (no step skipped), and the last ends the reference."""
+    pieces = [training_log(p.split("\n", 1)[1] if i else p)
+              for i, p in enumerate(text.split("restored checkpoint"))]
+    lines = reference.splitlines(keepends=True)
+    printed: set[str] = set()
+    for index, piece in enumerate(p for p in pieces if p):
+        assert piece in reference, f"piece {index} is not the reference's: {piece[:300]!r}"
+        start = lines.index(piece.splitlines(keepends=True)[0])
+        assert start == 0 or lines[start - 1] in printed or lines[start] in printed, (
+            f"piece {index} skips steps: it starts at {lines[start]!r}")
+        printed.update(piece.splitlines(keepends=True))
+    assert reference.endswith(pieces[-1]), "the last piece does not end the reference"
+
+
+def agent_pid(config, node: str, job_id: int) -> int:
+    pid = services.running_pid(job_run_dir(config.paths.state_dir, node, job_id), "agent")
+    assert pid is not None, f"no node agent of job {job_id} on {node}"
+    return pid
+
+
+def restores(log: Path) -> int:
+    return log.read_text().count("restored checkpoint")
+
+
+def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log, job_user, config):
+    shutil.copy(EXAMPLE, jobs.workdir)
+    shutil.chown(jobs.workdir / "train_reference.py", jobs.user)
+    job_id = jobs.submit(jobs.script("train.sh", TRAIN.format(options="", sleep=0.15)))
+    log = jobs.wait_for_file("train.out")
+    _wait_for_text(jobs, job_id, log, "step 20 ")
+    assert_contained(job_id)
+    checkpoint = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+    assert checkpoint.returncode == 0, checkpoint.stderr
+
+    # 1. kill -9 of the agent while the job simply runs: requeued, old processes gone, restored
+    node = jobs.record(job_id)["BatchHost"]
+    before = training_pids()
+    os.kill(agent_pid(config, node, job_id), signal.SIGKILL)
+    _wait_for_text(jobs, job_id, log, "restored checkpoint", count=1, timeout=180)
+    assert not set(before) & set(training_pids()), "processes of the killed run survived"
+    assert_contained(job_id)
+
+    # 2.-3. the agent dies during a dump, then during the store write of a manual checkpoint
+    for point in ("dump", "store-write"):
+        done = restores(log)
+        node = jobs.record(job_id)["BatchHost"]
+        faults.arm(config, point, "kill", node=node)
+        proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+        assert proc.returncode == 1, f"the checkpoint cannot have committed: {proc.stdout}"
+        _wait_for_text(jobs, job_id, log, "restored checkpoint", count=done + 1, timeout=180)
+        assert_contained(job_id)
+
+    # 4. a preemption's dump commits, and the agent dies before it answers or requeues
+    done = restores(log)
+    node = jobs.record(job_id)["BatchHost"]
+    faults.arm(config, "commit", "kill", node=node)
+    urgent = jobs.submit(jobs.script("urgent.sh", URGENT), f"--nodelist={node}")
+    _wait_for_text(jobs, job_id, log, "restored checkpoint", count=done + 1, timeout=180)
+    jobs.wait_state(urgent, "COMPLETED", timeout=120)
+    jobs.wait_state(job_id, "COMPLETED", timeout=300)
+
+    text = log.read_text()
+    assert text.count("restored checkpoint") == done + 1
+    assert_resumed_exactly(reference_log, text)
+    # the dump that committed before the agent died is the one the last start restored: no step repeats
+    last = training_log(text.rsplit("restored checkpoint", 1)[1].split("\n", 1)[1])
+    assert last.splitlines()[0] not in training_log(text.rsplit("restored checkpoint", 1)[0])
+    assert not training_pids(), "processes of the job outlived it"
+    assert len(reference_log.splitlines()) == STEPS + 1
+    assert not list(faults.folder(config).glob("[!.]*")), "a fault point did not fire"
+
+
+@pytest.fixture(autouse=True)
+def disarm(config):
+    yield
+    for path in faults.folder(config).glob("*"):
+        path.unlink(missing_ok=True)
