@@ -50,6 +50,8 @@ FRONT_OUTPUT = "SINGULARITY_LAUNCHER_OUTPUT"
 WARNING_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
 REQUEUE_WAIT_S = 300.0
 """How long a launcher that asked for a requeue waits for Slurm to end it with the job."""
+REQUEUE_RETRY_S = 600.0
+"""How long a requeue that fails (slurmctld restarting or failing over) is tried again."""
 BUSY_RETRY_S = 120.0
 """How long a request the agent answers `busy` (it serves as many connections as it allows) is retried."""
 MAX_COMMON = 8
@@ -239,7 +241,8 @@ class Launcher:
 
     def __init__(self, config: Config, env: Mapping[str, str], say: Callable[[str], None] | None = None,
                  checkpoint_interval_s: float | None = None, grace_s: float = 600.0,
-                 world_size: int | None = None, requeue_wait_s: float = REQUEUE_WAIT_S):
+                 world_size: int | None = None, requeue_wait_s: float = REQUEUE_WAIT_S,
+                 requeue_retry_s: float = REQUEUE_RETRY_S):
         self.config = config
         self.world_size = world_size
         self.attempt = 0
@@ -255,6 +258,7 @@ class Launcher:
         self.interval = checkpoint_interval_s
         self.grace_s = grace_s
         self.requeue_wait_s = requeue_wait_s
+        self.requeue_retry_s = requeue_retry_s
         self.run_key: str | None = None
         self.last_summary: dict | None = None
         self.events: queue.Queue[lifecycle.Event | _Signal | _Exited] = queue.Queue()
@@ -404,6 +408,8 @@ class Launcher:
                 self.agent({"op": "command_done", "id": action.to, "result": result}, timeout=60)
             except LaunchError as exc:
                 self.say(f"could not answer the request: {exc}")
+        elif isinstance(action, lifecycle.ResumeHere):
+            threading.Thread(target=self._resume_here, daemon=True).start()
         elif isinstance(action, lifecycle.FinishRun):
             try:
                 self.agent({"op": "run_end", "key": self.run_key, "exit_status": action.exit_status})
@@ -414,6 +420,24 @@ class Launcher:
         """Through this node's agent (which also lifts Slurm's requeue delay and keeps a migrated job
         off the nodes it leaves); if it is gone, through a new one that a step on this node brings
         up; as the last resort through Slurm itself, with its delay."""
+        deadline = time.monotonic() + self.requeue_retry_s
+        pause = 2.0
+        while True:
+            problems = self._requeue_once(action)
+            if problems is None:
+                self.events.put(lifecycle.RequeueDone())
+                return
+            if time.monotonic() + pause > deadline:
+                self.events.put(lifecycle.RequeueFailed("; ".join(problems)))
+                return
+            if pause == 2.0:
+                self.say(f"requeue failed ({problems[-1]}); trying again for "
+                         f"{self.requeue_retry_s / 60:.0f} min (is slurmctld up?)")
+            time.sleep(pause)  # Slurm's controller is away (restarting, failing over): wait for it
+            pause = min(pause * 2, 30.0)
+
+    def _requeue_once(self, action: lifecycle.Requeue) -> list[str] | None:
+        """One round of the requeue's ways; None once one took, else what each said."""
         payload = {"exclude": list(action.exclude)}
         problems = []
         if not action.through_slurm:
@@ -422,27 +446,36 @@ class Launcher:
             except LaunchError as exc:
                 problems.append(str(exc))
             else:
-                self.events.put(lifecycle.RequeueDone())
-                return
+                return None
         try:
             self.fanout("requeue", payload, timeout=120, nodes=[self.info.node])
         except LaunchError as exc:
             problems.append(str(exc))  # or the requeue ended the step before it answered
         else:
-            self.events.put(lifecycle.RequeueDone())
-            return
+            return None
         try:
             requeued_now = SlurmClient(timeout=30).requeue(self.info.job_id)
         except SingularityError as exc:
-            self.events.put(lifecycle.RequeueFailed("; ".join([*problems, str(exc)])))
-            return
+            return [*problems, str(exc)]
         if requeued_now:
             self.say("requeued through Slurm, with its requeue delay"
                      + (f", and not kept off {','.join(action.exclude)}" if action.exclude else "")
                      + f" (the node agent could not: {problems[-1]})")
-        self.events.put(lifecycle.RequeueDone())
+        return None
 
     # --- start, restore, the tree -----------------------------------------------------------------
+
+    def _resume_here(self) -> None:
+        try:
+            restored = self.restore()
+        except LaunchError as exc:
+            self.events.put(lifecycle.StartFailed(str(exc)))
+            return
+        if not restored:
+            self.events.put(lifecycle.StartFailed("the checkpoint just taken could not be restored"))
+            return
+        self.events.put(lifecycle.Started(True))
+        threading.Thread(target=self._wait_for_tree, daemon=True).start()
 
     def _launch(self, argv: list[str], resume: bool) -> None:
         try:

@@ -14,7 +14,8 @@ The job's phases:
                   -> FINISHED (the command ended)  | REQUEUEING (killed after a checkpoint, proxy lost)
     CHECKPOINTING -> RUNNING (done or failed)      | STOPPING (a warning arrived meanwhile)
     REQUEUEING    -> REQUEUED (Slurm took the requeue: the launcher waits to be ended with the job)
-                  -> FINISHED (the requeue failed: exit non-zero, saying why)
+                  -> STARTING (the requeue failed for good after a stop-checkpoint: restore here)
+                  -> FINISHED (the requeue failed otherwise: exit non-zero, saying why)
 
 A requeue ends every step and the batch script; the launcher never exits on its own after asking
 for one, so the lines after `singularityctl run` in the batch script do not run for a job that is
@@ -170,7 +171,12 @@ class Exit:
     code: int
 
 
-Action = Say | Checkpoint | Kill | Requeue | Answer | FinishRun | Exit
+@dataclass(frozen=True)
+class ResumeHere:
+    """Restore the checkpoint just taken on the job's own nodes (Slurm would not requeue it)."""
+
+
+Action = Say | Checkpoint | Kill | Requeue | Answer | FinishRun | Exit | ResumeHere
 
 
 # --- state ----------------------------------------------------------------------------------------
@@ -184,6 +190,7 @@ class State:
     checkpoint_reason: str | None = None  # the checkpoint in flight
     command: Command | None = None  # the admin command in flight
     exclude: tuple[str, ...] = ()  # nodes a migration leaves
+    stopped_at_checkpoint: bool = False  # the requeue in flight follows a committed stop-checkpoint
 
 
 def _requeue(state: State, why: str, exclude: tuple[str, ...] = ()) -> tuple[State, list[Action]]:
@@ -286,6 +293,12 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
             f" away from {','.join(state.exclude)}" if state.exclude else ""))]
 
     if isinstance(event, RequeueFailed):
+        if phase == Phase.REQUEUEING and state.stopped_at_checkpoint:
+            # The tree is stopped and its checkpoint committed: rather than end the job with its
+            # work orphaned, it goes on here from that checkpoint.
+            return (replace(state, phase=Phase.STARTING, stopped_at_checkpoint=False, exclude=()),
+                    [Say(f"requeue failed: {event.error}; resuming here from the checkpoint just taken"),
+                     ResumeHere()])
         return (replace(state, phase=Phase.FINISHED),
                 [Say(f"requeue failed: {event.error}"), Exit(EXIT_LAUNCHER_FAILED)])
 
@@ -305,7 +318,8 @@ def _checkpoint_outcome(state: State, event: CheckpointDone | CheckpointFailed) 
             actions += [Say(f"{'migration ' if reason == 'migrate' else ''}checkpoint failed: "
                             f"{event.error}; the job resumes from its last good checkpoint"),  # type: ignore[union-attr]
                         Kill()]
-        new = replace(state, phase=Phase.REQUEUEING, command=None, checkpoint_reason=None)
+        new = replace(state, phase=Phase.REQUEUEING, command=None, checkpoint_reason=None,
+                      stopped_at_checkpoint=ok)
         return new, [*actions, Requeue(state.exclude if ok else ())]
     if state.phase != Phase.CHECKPOINTING:
         return state, []

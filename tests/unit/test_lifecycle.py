@@ -19,6 +19,7 @@ from singularity_slurm.slurm_plugin.lifecycle import (
     Requeue,
     RequeueDone,
     RequeueFailed,
+    ResumeHere,
     Say,
     Started,
     StartFailed,
@@ -220,6 +221,28 @@ def test_a_failed_requeue_ends_the_launcher_with_an_error() -> None:
 
     assert state.phase == Phase.FINISHED
     assert actions == [Say("requeue failed: slurmctld down"), Exit(1)]
+
+
+def test_a_requeue_that_fails_for_good_after_a_stop_checkpoint_resumes_the_job_here() -> None:
+    # a migration whose requeue Slurm never took: the job must not end with its work orphaned
+    state, _ = run(Command("migrate", ("n1",), "r1"), TreeEnded("dumped", 0), CheckpointDone(SUMMARY),
+                   state=running())
+    assert (state.phase, state.stopped_at_checkpoint) == (Phase.REQUEUEING, True)
+
+    state, actions = run(RequeueFailed("slurmctld down"), state=state)
+
+    assert (state.phase, state.exclude) == (Phase.STARTING, ())
+    assert actions == [Say("requeue failed: slurmctld down; resuming here from the checkpoint just taken"),
+                       ResumeHere()]
+    state, actions = run(Started(restored=True), state=state)
+    assert (state.phase, actions) == (Phase.RUNNING, [])
+
+
+def test_a_requeue_that_fails_after_a_failed_checkpoint_ends_the_launcher() -> None:
+    state, _ = run(Warning("SIGUSR2"), CheckpointFailed("criu dump failed"), state=running())
+    assert not state.stopped_at_checkpoint
+    state, actions = run(RequeueFailed("slurmctld down"), state=state)
+    assert (state.phase, actions[-1]) == (Phase.FINISHED, Exit(1))
 
 
 def test_events_after_the_requeue_change_nothing() -> None:
