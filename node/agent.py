@@ -77,6 +77,8 @@ if TYPE_CHECKING:
 
 MAX_REQUEST = rpc.MAX_REQUEST
 MAX_CONNECTIONS = 32
+MESH_WAIT_S = 360.0
+"""How long the agent waits for a new generation's mesh (the proxies' rendezvous waits 300 s)."""
 MAX_COMMON = 16
 """Generations a checkpoint request may name as committed on every node (the launcher sends a few)."""
 """Connections one agent serves at once (root has rpc.ROOT_RESERVE more): each holds a thread."""
@@ -319,7 +321,19 @@ class AgentState:
         return round(time.monotonic() - started, 3)
 
     def _watch_proxies(self, init_pid: int) -> None:
+        """End the tree when one of its proxies cannot serve it (it died, or its mesh never formed):
+        the launcher then requeues the job, instead of its ranks waiting or failing."""
         names = {proxy: f"proxy-{proxy.split('/', 1)[1]}" for proxy in self.proxies}
+        for proxy, path in list(self.proxies.items()):
+            try:
+                reply = rpc.call(path, {"op": "ready", "timeout": MESH_WAIT_S}, timeout=MESH_WAIT_S + 30,
+                                 service=f"proxy {proxy}")
+                problem = reply.get("mesh_error") or (None if reply.get("ready") else "timed out")
+            except rpc.RpcError as exc:
+                problem = str(exc)
+            if problem is not None:
+                self._lose_tree(init_pid, f"{proxy} could not reach the job's other proxies ({problem})")
+                return
         while True:
             time.sleep(0.5)
             with self.lock:
@@ -328,15 +342,21 @@ class AgentState:
                     return
                 assert self.run_dir is not None
                 dead = [p for p, name in names.items() if services.running_pid(self.run_dir, name) is None]
-                if dead:
-                    self.proxy_lost = dead[0]
-                    LOG.error("job %s node %s: device proxy %s died; ending the tree so the job is "
-                              "requeued", self.job_id, self.node, dead[0])
-                    try:
-                        os.kill(init_pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    return
+            if dead:
+                self._lose_tree(init_pid, f"{dead[0]} died")
+                return
+
+    def _lose_tree(self, init_pid: int, what: str) -> None:
+        with self.lock:
+            if self.init_pid != init_pid or self.state not in (TreeState.RUNNING, TreeState.CHECKPOINTING):
+                return
+            self.proxy_lost = what
+            LOG.error("job %s node %s: device proxy %s; ending the tree so the job is requeued", self.job_id,
+                      self.node, what)
+            try:
+                os.kill(init_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _reap(self, waiter, init_pid: int) -> None:
         status = waiter()

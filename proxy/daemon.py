@@ -10,6 +10,7 @@ The node agent drives it through a root-only control socket:
   quiesce {timeout}                   reach the job-wide cut (see `barrier`); answers once every
                                       proxy's ranks are parked with no connection to any proxy
   resume {}                           after the dump: serve the parked ranks again
+  ready {timeout}                     wait until this generation's mesh is up, or failed (mesh_error)
   status {} | stats {}                state of the ranks and the barrier | time spent per operation
 
 Nothing here must survive a checkpoint: a restored job gets fresh proxies and a new generation.
@@ -35,6 +36,7 @@ import numpy as np
 
 from singularity_slurm import rpc
 from singularity_slurm.config import ProxyConfig
+from singularity_slurm.errors import SingularityError
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 
 from . import barrier, collectives
@@ -179,7 +181,7 @@ class Proxy:
                     raise MeshError(f"generation {generation} was replaced by {self.generation}")
                 self.mesh = mesh
             mesh.connect(addresses, timeout=300)
-        except (OSError, MeshError, RendezvousError, ValueError) as exc:
+        except (OSError, MeshError, RendezvousError, SingularityError, ValueError) as exc:
             with self.cond:
                 current = self.generation == generation
                 if current:
@@ -386,8 +388,8 @@ class Proxy:
         rank = session.rank
         with self.cond:
             while not self.ready:
-                if self.mesh_error:
-                    raise ProxyError(f"the job's proxies could not connect: {self.mesh_error}")
+                # A mesh that failed is the node agent's to act on (it ends the tree, and the job is
+                # requeued): the rank waits rather than fail its training script.
                 self.cond.wait(1.0)
             seq = self.issued[rank].get(channel, 0) + 1
             while True:
@@ -710,6 +712,13 @@ class Proxy:
     def resume(self) -> dict:
         return self._resume()
 
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not self.ready and not self.mesh_error and time.monotonic() < deadline:
+                self.cond.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            return {"generation": self.generation, "ready": self.ready, "mesh_error": self.mesh_error}
+
     def status(self) -> dict:
         with self.cond:
             return {"proxy": self.id, "generation": self.generation, "phase": str(self.phase),
@@ -736,11 +745,13 @@ class Proxy:
             return self.resume()
         if op == "status":
             return self.status()
+        if op == "ready":
+            return self.wait_ready(min(float(request.get("timeout") or 60.0), 3600.0))
         if op == "stats":
             return self.stats_report()
         if op == "ping":
             return {"proxy": self.id, "pid": os.getpid()}
-        raise ProxyError(f"unknown op {op!r}; valid: configure, quiesce, resume, status, stats, ping")
+        raise ProxyError(f"unknown op {op!r}; valid: configure, quiesce, ready, resume, status, stats, ping")
 
 
 def serve_control(proxy: Proxy, path: Path, limits: rpc.Limits | None = None) -> rpc.Server:

@@ -13,7 +13,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +35,21 @@ class Rendezvous(Protocol):
         """Addresses of every proxy named, once all have published."""
 
 
+@contextmanager
+def _reachable(job_id: int | str, generation: str) -> Iterator[None]:
+    """A Redis outage fails the rendezvous (the node agent then ends the tree and the job is
+    requeued) instead of killing the thread that waits for it, which would leave the ranks waiting."""
+    try:
+        yield
+    except Exception as exc:
+        import redis  # only a RedisRendezvous gets here, and it needs redis
+
+        if not isinstance(exc, redis.RedisError):
+            raise
+        raise RendezvousError(f"the coordinator's Redis is unreachable during the rendezvous of generation "
+                              f"{generation} of job {job_id}: {exc}") from exc
+
+
 class RedisRendezvous:
     def __init__(self, client, job_id: int | str, poll_s: float = 0.05):
         self.client = client
@@ -41,6 +57,10 @@ class RedisRendezvous:
         self.poll_s = poll_s
 
     def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
+        with _reachable(self.job_id, generation):
+            return self._publish(generation, proxy, host, port)
+
+    def _publish(self, generation: str, proxy: str, host: str, port: int) -> str:
         key = keys.job_rendezvous(self.job_id, generation)
         keys.proxy_id(proxy)
         pipe = self.client.pipeline()
@@ -56,8 +76,9 @@ class RedisRendezvous:
         wanted = {keys.proxy_id(p) for p in proxies}
         deadline = time.monotonic() + timeout
         while True:
-            record = {(k.decode() if isinstance(k, bytes) else k): v
-                      for k, v in self.client.hgetall(key).items()}
+            with _reachable(self.job_id, generation):
+                fetched = self.client.hgetall(key)
+            record = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fetched.items()}
             found = {p: tuple(json.loads(record[f"proxy:{p}"])) for p in wanted if f"proxy:{p}" in record}
             if len(found) == len(wanted):
                 return found  # type: ignore[return-value]

@@ -78,7 +78,7 @@ class TreeEnded:
 
     state: str
     exit_status: int
-    proxy_lost: str | None = None
+    proxy_lost: str | None = None  # what became of a device proxy: "n1/gpu0 died", "... could not ..."
     has_checkpoint: bool = False
 
 
@@ -212,7 +212,7 @@ def _tree_ended(state: State, event: TreeEnded) -> tuple[State, list[Action]]:
     if event.state == "killed":
         return replace(state, phase=Phase.FINISHED), [Exit(EXIT_KILLED)]
     if event.proxy_lost:
-        return _requeue(state, f"device proxy {event.proxy_lost} died; requeueing the job to resume from "
+        return _requeue(state, f"device proxy {event.proxy_lost}; requeueing the job to resume from "
                                "its last checkpoint")
     if event.exit_status >= 128 and event.has_checkpoint:
         return _requeue(state, f"the job's processes were killed (status {event.exit_status}); requeueing "

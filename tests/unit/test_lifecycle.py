@@ -172,10 +172,18 @@ def test_a_killed_tree_without_a_checkpoint_ends_with_its_status() -> None:
 
 
 def test_a_lost_device_proxy_requeues_the_job() -> None:
-    state, actions = run(TreeEnded("exited", 137, proxy_lost="n1/gpu0"), state=running())
+    state, actions = run(TreeEnded("exited", 137, proxy_lost="n1/gpu0 died"), state=running())
 
     assert without_says(actions) == [Requeue()]
-    assert "device proxy n1/gpu0 died" in actions[0].message
+    assert "device proxy n1/gpu0 died; requeueing" in actions[0].message
+
+
+def test_proxies_that_could_not_meet_requeue_the_job() -> None:
+    lost = "n1/gpu0 could not reach the job's other proxies (Redis is unreachable)"
+    state, actions = run(TreeEnded("exited", 137, proxy_lost=lost), state=running())
+
+    assert without_says(actions) == [Requeue()]
+    assert actions[0].message.startswith(f"device proxy {lost}; requeueing the job")
 
 
 def test_a_tree_the_launcher_killed_exits_137_without_recording_the_run() -> None:

@@ -602,3 +602,39 @@ def test_a_reconfigured_proxy_does_not_take_the_failure_of_its_previous_generati
         for proxy in proxies:
             proxy.close()
         remove_state(state)
+
+
+def test_a_rendezvous_whose_coordinator_is_down_fails_the_mesh_and_says_so_to_the_agent() -> None:
+    from singularity_slurm.errors import RegistryError
+
+    def unreachable():
+        raise RegistryError("cannot reach Redis at 127.0.0.1:1 (Connection refused)")
+
+    state = state_folder()
+    proxy = Proxy(int.from_bytes(os.urandom(4), "big") + 10**10, os.getuid(), "a", HostBackend(), unreachable,
+                  state_dir=state, bind_host="127.0.0.1")
+    try:
+        proxy.configure("1", {0: "a", 1: "b"})
+
+        reply = proxy.wait_ready(10)
+
+        assert (reply["generation"], reply["ready"]) == ("1", False)
+        assert "cannot reach Redis at 127.0.0.1:1" in reply["mesh_error"]
+    finally:
+        proxy.stopping = True
+        proxy.close()
+        remove_state(state)
+
+
+def test_the_redis_rendezvous_turns_an_outage_into_a_rendezvous_error() -> None:
+    import redis
+
+    from singularity_slurm.proxy.rendezvous import RedisRendezvous, RendezvousError
+
+    down = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1, socket_timeout=1)
+    rendezvous = RedisRendezvous(down, 42)
+    with pytest.raises(RendezvousError, match="the coordinator's Redis is unreachable during the "
+                                              "rendezvous of generation 3 of job 42"):
+        rendezvous.publish("3", "n1/gpu0", "127.0.0.1", 4000)
+    with pytest.raises(RendezvousError):
+        rendezvous.wait("3", ["n1/gpu0"], timeout=5)
