@@ -198,7 +198,7 @@ class Criu:
                 finally:
                     client._comm.disconnect()
             except (OSError, ValueError) as exc:
-                raise CheckpointError(f"criu restore from {images_dir}: lost criu: {exc}") from exc
+                raise RestoreFailed(f"criu restore from {images_dir}: lost criu: {exc}") from exc
         finally:
             os.close(fd)
         if refusal is not None:
@@ -206,7 +206,7 @@ class Criu:
             raise RestoreRefused(refusal)
         if not resp.success:
             _reap(root_pid)
-            raise CheckpointError(
+            raise RestoreFailed(
                 f"criu restore from {images_dir} failed (errno {resp.cr_errno})\n"
                 f"{_log_tail(images_dir / 'restore.log')}"
             )
@@ -215,6 +215,10 @@ class Criu:
 
 class RestoreRefused(CheckpointError):
     """The restored tree held what its user may not open: criu killed it before it ran."""
+
+
+class RestoreFailed(CheckpointError):
+    """criu could not restore these images (its log says why): try an older checkpoint."""
 
 
 def _ignore_cgroups(opts) -> None:

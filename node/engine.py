@@ -17,7 +17,13 @@ import redis
 
 from singularity_slurm import faults, rootexec
 from singularity_slurm.checkpoint import images
-from singularity_slurm.checkpoint.criu import Criu, RestoreRefused, filelog_shim_path, wrapper_path
+from singularity_slurm.checkpoint.criu import (
+    Criu,
+    RestoreFailed,
+    RestoreRefused,
+    filelog_shim_path,
+    wrapper_path,
+)
 from singularity_slurm.checkpoint.generation import newest_first
 from singularity_slurm.checkpoint.store import CheckpointStore, Manifest
 from singularity_slurm.config import Config, load
@@ -270,8 +276,9 @@ class CheckpointEngine:
                 run: str | None = None, cgroups: list[Path] | None = None) -> dict[str, Any]:
         """Restore the newest checkpoint whose restored tree holds nothing its user could not open.
 
-        A checkpoint that fails that check (see restorecheck) is refused like a corrupt one, and the
-        next older one is tried; with `generation` (a multi-node checkpoint) there is no other.
+        A checkpoint that fails that check (see restorecheck), or that criu cannot restore, is refused
+        like a corrupt one, and the next older one is tried; with `generation` (a multi-node
+        checkpoint) there is no other.
         The restored tree joins the job's `cgroups` before any of its tasks runs.
         """
         started = time.monotonic()
@@ -298,7 +305,7 @@ class CheckpointEngine:
                 _check_taken_for(manifest, uid)
                 pid, notices = self._restore_one(job_id, manifest, creds, cgroups or [])
                 break
-            except RestoreRefused as exc:
+            except (RestoreRefused, RestoreFailed, faults.InjectedFault) as exc:
                 if generation is not None:
                     raise RequestError(f"checkpoint {manifest.seq} of node rank {self.rank} refused: "
                                        f"{exc}") from exc
