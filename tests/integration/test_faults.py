@@ -72,10 +72,11 @@ def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log,
     shutil.chown(jobs.workdir / "train_reference.py", jobs.user)
     job_id = jobs.submit(jobs.script("train.sh", TRAIN.format(options="", sleep=0.15)))
     log = jobs.wait_for_file("train.out")
-    _wait_for_text(jobs, job_id, log, "step 20 ")
+    for step in ("step 20 ", "step 40 "):  # two checkpoints: the second one's restore will fail once
+        _wait_for_text(jobs, job_id, log, step)
+        checkpoint = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+        assert checkpoint.returncode == 0, checkpoint.stderr
     assert_contained(job_id)
-    checkpoint = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
-    assert checkpoint.returncode == 0, checkpoint.stderr
 
     # 1. kill -9 of the agent while the job simply runs: requeued, old processes gone, restored
     node = jobs.record(job_id)["BatchHost"]
@@ -85,11 +86,14 @@ def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log,
     assert not set(before) & set(training_pids()), "processes of the killed run survived"
     assert_contained(job_id)
 
-    # 2.-3. the agent dies during a dump, then during the store write of a manual checkpoint
+    # 2.-3. the agent dies during a dump, then during the store write of a manual checkpoint; the
+    # first restore after that fails once (criu failing): the checkpoint before it is used
     for point in ("dump", "store-write"):
         done = restores(log)
         node = jobs.record(job_id)["BatchHost"]
         faults.arm(config, point, "kill", node=node)
+        if point == "dump":
+            faults.arm(config, "restore", "fail")
         proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
         assert proc.returncode == 1, f"the checkpoint cannot have committed: {proc.stdout}"
         _wait_for_text(jobs, job_id, log, "restored checkpoint", count=done + 1, timeout=180)
@@ -106,6 +110,8 @@ def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log,
 
     text = log.read_text()
     assert text.count("restored checkpoint") == done + 1
+    assert "refused: a fault was injected at restore" in text
+    assert "restored checkpoint 1 " in text  # the fallback from the refused checkpoint 2
     assert_resumed_exactly(reference_log, text)
     # the dump that committed before the agent died is the one the last start restored: no step repeats
     last = training_log(text.rsplit("restored checkpoint", 1)[1].split("\n", 1)[1])
