@@ -43,7 +43,8 @@ def run(env: dict[str, str]) -> int:
     except (RegistryError, OSError) as exc:
         log.warning("registry not updated: %s", exc)
     try:
-        retire.spawn(job.job_id, job.node)  # the job's folders in the store, once Slurm shows its end
+        if retire.wanted(config, job.job_id, time.time()):
+            retire.spawn(job.job_id, job.node)  # the job's folders in the store, once Slurm shows its end
     except OSError as exc:
         log.warning("store sweep not started: %s", exc)
     return status

@@ -81,6 +81,18 @@ def full_sweep_due(root: Path, now: float) -> bool:
     return True
 
 
+def wanted(config: Config, job_id: int, now: float) -> bool:
+    """Whether a helper has anything to do: the job has folders in the store, or a sweep of the
+    whole store is due (so that jobs Singularity does not manage cost nothing)."""
+    root = config.paths.store_root
+    if any((part / "jobs" / str(job_id)).is_dir() for part in retention.store_roots(root)):
+        return True
+    try:
+        return now - (root / LAST_SWEEP).stat().st_mtime >= FULL_SWEEP_S
+    except FileNotFoundError:
+        return root.is_dir()
+
+
 def spawn(job_id: int, node: str) -> None:
     """Start the helper detached from the Epilog (which slurmd waits for)."""
     argv = [sys.executable, "-I", "-m", "singularity_slurm.node.retire", str(job_id), node]

@@ -227,3 +227,18 @@ def test_a_job_that_never_settles_is_left_to_a_later_sweep() -> None:
     slurm = Slurm(["COMPLETING"])
     assert settled_state(slurm, 42, timeout=5, clock=lambda: next(ticks),  # type: ignore[arg-type]
                          sleep=lambda s: None) == (False, None)
+
+
+def test_the_epilog_starts_a_helper_only_with_work_for_it(tmp_path: Path) -> None:
+    from singularity_slurm.config import parse
+    from singularity_slurm.node.retire import FULL_SWEEP_S, LAST_SWEEP, wanted
+
+    config = parse({"paths": {"store_root": str(tmp_path / "store")}})
+    assert not wanted(config, 42, NOW)  # no store yet: nothing to sweep
+    checkpoint(tmp_path / "store" / "ranks" / "1", 42)
+    stamp = tmp_path / "store" / LAST_SWEEP
+    stamp.touch()
+    os.utime(stamp, (NOW, NOW))
+    assert wanted(config, 42, NOW)  # a node rank's folder of the job
+    assert not wanted(config, 43, NOW + FULL_SWEEP_S - 1)  # a job without folders, a sweep not due
+    assert wanted(config, 43, NOW + FULL_SWEEP_S)
