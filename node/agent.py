@@ -77,11 +77,11 @@ if TYPE_CHECKING:
 
 MAX_REQUEST = rpc.MAX_REQUEST
 MAX_CONNECTIONS = 32
+"""Connections one agent serves at once (root has rpc.ROOT_RESERVE more): each holds a thread."""
 MESH_WAIT_S = 360.0
 """How long the agent waits for a new generation's mesh (the proxies' rendezvous waits 300 s)."""
 MAX_COMMON = 16
 """Generations a checkpoint request may name as committed on every node (the launcher sends a few)."""
-"""Connections one agent serves at once (root has rpc.ROOT_RESERVE more): each holds a thread."""
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
 _CALL = threading.local()  # per request thread: where to register callbacks for after the reply
 LOG = logging.getLogger("singularity.agent")
