@@ -6,7 +6,9 @@ only root may write, named for the point (`dump`), or for the point on one node 
 holding the action:
 
 - `kill`: the process SIGKILLs itself there, as a crash or `kill -9` at that moment would;
-- `fail`: the step raises InjectedFault, as an I/O error there would.
+- `fail`: the step raises InjectedFault, as an I/O error there would;
+- `stall N`: the step waits N seconds (at most 600) and goes on, having first written
+  `<point>.reached` beside the file: a test does something else at that moment (stops a daemon).
 
 A point fires once: its file is taken (renamed away) before the action, so a restarted process
 does not fire it again. Points (`POINTS`) are listed where they are: the agent's dump, store write,
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -25,7 +28,8 @@ from .config import Config
 from .errors import SingularityError
 
 POINTS = ("dump", "store-write", "commit", "requeue", "restore")
-ACTIONS = ("kill", "fail")
+ACTIONS = ("kill", "fail", "stall")
+MAX_STALL_S = 600.0
 FOLDER = "faults"
 
 
@@ -39,7 +43,7 @@ def folder(config: Config) -> Path:
 
 def arm(config: Config, point: str, action: str, node: str | None = None) -> Path:
     """Arm a point (tests, as root); the file it wrote."""
-    if point not in POINTS or action not in ACTIONS:
+    if point not in POINTS or action.split()[0] not in ACTIONS:
         raise ValueError(f"fault {point!r}/{action!r}: points are {', '.join(POINTS)}; actions "
                          f"{', '.join(ACTIONS)}")
     where = folder(config)
@@ -76,3 +80,10 @@ def point(config: Config | None, name: str, node: str | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "fail":
         raise InjectedFault(f"a fault was injected at {name} (testing.faults is on)")
+    if action and action.startswith("stall "):
+        try:
+            seconds = min(max(float(action.split()[1]), 0.0), MAX_STALL_S)
+        except ValueError:
+            return
+        (where / f"{name}.reached").write_text(f"{os.getpid()}\n")
+        time.sleep(seconds)  # the test acts meanwhile: that is the fault

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,59 @@ def disarm(config):
     yield
     for path in faults.folder(config).glob("*"):
         path.unlink(missing_ok=True)
+
+
+def test_a_distributed_job_outlasts_redis_at_its_rendezvous_and_slurmctld_at_its_requeue(
+        jobs, config, job_user, tmp_path):
+    from test_distributed import DDP_ARGS, copy_example, job_script, reference_logs, wait_for_steps
+
+    from singularity_slurm.devcluster import daemons
+    from singularity_slurm.devcluster.cluster import daemon_table, default_layout
+
+    table = {d.name: d for d in daemon_table(default_layout())}
+    reference = reference_logs(tmp_path, "train_ddp.py", DDP_ARGS, world=2, per_proxy=1)
+    copy_example(jobs, "train_ddp.py")
+    job_id = jobs.submit(jobs.script("ddp.sh", job_script(
+        "basic", "#SBATCH --gres=gpu:2", 2, f"train_ddp.py {' '.join(DDP_ARGS)} --sleep 0.25")))
+    out = jobs.workdir / "job.out"
+    wait_for_steps(jobs, job_id, 2, 8)
+    node = jobs.record(job_id)["BatchHost"]
+
+    # Redis goes away; the job is preempted: its checkpoint commits (the store is the truth), but
+    # each restore's rendezvous fails, so the job is requeued again until Redis is back.
+    daemons.stop(table["redis"])
+    try:
+        urgent = jobs.submit(jobs.script("urgent.sh", URGENT), f"--nodelist={node}")
+        jobs.wait(job_id, lambda r: "could not reach the job's other proxies" in out.read_text(),
+                  "requeued for a failed rendezvous", timeout=240)
+    finally:
+        daemons.start(table["redis"])
+    jobs.wait(job_id, lambda r: out.read_text().count("restored checkpoint") >= 2, "restored", timeout=240)
+    jobs.wait_state(urgent, "COMPLETED", timeout=120)
+    wait_for_steps(jobs, job_id, 2, 20)
+
+    # slurmctld stops while the job's node agent requeues it after a migration's checkpoint: the
+    # launcher tries again until slurmctld is back, and the job moves on.
+    faults.arm(config, "requeue", "stall 2", node=jobs.record(job_id)["BatchHost"])
+    proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id), "--no-wait"])
+    assert proc.returncode == 0, proc.stderr
+    reached = faults.folder(config) / "requeue.reached"
+    wait_until(reached.exists, "the requeue to start", 120)
+    daemons.stop(table["slurmctld"])
+    try:
+        wait_until(lambda: "trying again for 10 min" in out.read_text(), "the launcher to retry", 300)
+    finally:
+        daemons.start(table["slurmctld"])
+    jobs.wait(job_id, lambda r: out.read_text().count("restored checkpoint") >= 3, "restored", timeout=300)
+    jobs.wait_state(job_id, "COMPLETED", timeout=300)
+
+    for rank in range(2):
+        assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
+
+
+def wait_until(check, what: str, timeout: float) -> None:
+    """Poll without asking Slurm (slurmctld may be down)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)

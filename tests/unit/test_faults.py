@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,18 @@ def test_kill_ends_the_process_with_sigkill(config) -> None:
     assert (proc.returncode, proc.stdout) == (-9, ""), proc.stderr
 
 
+def test_a_stall_waits_there_having_said_it_got_there(config) -> None:
+    faults.arm(config, "requeue", "stall 0.2")
+    started = time.monotonic()
+
+    faults.point(config, "requeue")
+
+    assert time.monotonic() - started >= 0.2
+    assert (faults.folder(config) / "requeue.reached").read_text() == f"{os.getpid()}\n"
+
+
 def test_unknown_points_and_actions_are_refused(config) -> None:
     with pytest.raises(ValueError, match="points are dump, store-write, commit, requeue, restore"):
         faults.arm(config, "nowhere", "kill")
-    with pytest.raises(ValueError, match="actions kill, fail"):
+    with pytest.raises(ValueError, match="actions kill, fail, stall"):
         faults.arm(config, "dump", "explode")
