@@ -154,12 +154,12 @@ def test_a_distributed_job_outlasts_redis_at_its_rendezvous_and_slurmctld_at_its
                   "requeued for a failed rendezvous", timeout=240)
     finally:
         daemons.start(table["redis"])
-    jobs.wait(job_id, lambda r: out.read_text().count("restored checkpoint") >= 2, "restored", timeout=240)
-    jobs.wait_state(urgent, "COMPLETED", timeout=120)
-    wait_for_steps(jobs, job_id, 2, 20)
+    jobs.wait_state(urgent, "COMPLETED", timeout=240)
+    wait_for_steps(jobs, job_id, 2, 20)  # the restores that failed their rendezvous printed nothing new
 
     # slurmctld stops while the job's node agent requeues it after a migration's checkpoint: the
     # launcher tries again until slurmctld is back, and the job moves on.
+    restored = out.read_text().count("restored checkpoint")
     faults.arm(config, "requeue", "stall 2", node=jobs.record(job_id)["BatchHost"])
     proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id), "--no-wait"])
     assert proc.returncode == 0, proc.stderr
@@ -170,7 +170,8 @@ def test_a_distributed_job_outlasts_redis_at_its_rendezvous_and_slurmctld_at_its
         wait_until(lambda: "trying again for 10 min" in out.read_text(), "the launcher to retry", 300)
     finally:
         daemons.start(table["slurmctld"])
-    jobs.wait(job_id, lambda r: out.read_text().count("restored checkpoint") >= 3, "restored", timeout=300)
+    jobs.wait(job_id, lambda r: out.read_text().count("restored checkpoint") > restored, "restored",
+              timeout=300)
     jobs.wait_state(job_id, "COMPLETED", timeout=300)
 
     for rank in range(2):
