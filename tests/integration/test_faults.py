@@ -140,7 +140,7 @@ def test_a_distributed_job_outlasts_redis_at_its_rendezvous_and_slurmctld_at_its
     reference = reference_logs(tmp_path, "train_ddp.py", DDP_ARGS, world=2, per_proxy=1)
     copy_example(jobs, "train_ddp.py")
     job_id = jobs.submit(jobs.script("ddp.sh", job_script(
-        "basic", "#SBATCH --gres=gpu:2", 2, f"train_ddp.py {' '.join(DDP_ARGS)} --sleep 0.25")))
+        "basic", "#SBATCH --gres=gpu:2", 2, f"train_ddp.py {' '.join(DDP_ARGS)} --sleep 0.5")))
     out = jobs.workdir / "job.out"
     wait_for_steps(jobs, job_id, 2, 8)
     node = jobs.record(job_id)["BatchHost"]
