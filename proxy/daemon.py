@@ -28,13 +28,14 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from singularity_slurm import rpc
+from singularity_slurm import faults, rpc
 from singularity_slurm.config import ProxyConfig
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
@@ -102,8 +103,10 @@ class ProxyError(Exception):
 class Proxy:
     def __init__(self, job_id: int, job_uid: int, proxy_id: str, device: DeviceBackend,
                  rendezvous_factory, *, state_dir: Path, limits: ProxyConfig | None = None,
-                 bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1"):
+                 bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1",
+                 fault: Callable[[str], None] | None = None):
         self.job_id = job_id
+        self.fault = fault or (lambda point: None)  # a test's fault point (singularity_slurm.faults)
         self.job_uid = job_uid
         self.id = proxy_id
         self.device = device
@@ -671,6 +674,7 @@ class Proxy:
         os._exit(3)
 
     def quiesce(self, timeout: float) -> dict:
+        self.fault("cut")
         with self.cond:
             if not self.local_ranks:
                 return {"idle": True}
@@ -807,9 +811,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def rendezvous():
             return RedisRendezvous(connect(config.redis), args.job_id)
+    node = args.id.split("/", 1)[0]
     proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous,
                   state_dir=args.state_dir or config.paths.state_dir, limits=config.proxy,
-                  advertise_host=advertise)
+                  advertise_host=advertise, fault=lambda point: faults.point(config, point, node))
     server = serve_control(proxy, args.socket)
     stop = threading.Event()
 

@@ -12,7 +12,7 @@ holding the action:
 
 A point fires once: its file is taken (renamed away) before the action, so a restarted process
 does not fire it again. Points (`POINTS`) are listed where they are: the agent's dump, store write,
-commit, requeue and restore.
+commit, requeue and restore, and a device proxy's distributed cut.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from .config import Config
 from .errors import SingularityError
 
-POINTS = ("dump", "store-write", "commit", "requeue", "restore")
+POINTS = ("dump", "store-write", "commit", "requeue", "restore", "cut")
 ACTIONS = ("kill", "fail", "stall")
 MAX_STALL_S = 600.0
 FOLDER = "faults"

@@ -1,7 +1,9 @@
 """Faults never lose a committed checkpoint, never strand a job, and leave none of its processes
-running outside its cgroup: one training job, its node agent killed (from outside while it simply
+running outside its cgroup. One training job has its node agent killed (from outside while it simply
 runs, and by fault points during a dump, during the store write, and between a commit and the
-requeue), resumes each time and completes with the reference log.
+requeue) and a restore fail; a distributed job has a device proxy killed during its cut, Redis gone
+during its rendezvous and slurmctld gone during its requeue. Each resumes every time from its newest
+committed checkpoint and completes with the reference log.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def disarm(config):
         path.unlink(missing_ok=True)
 
 
-def test_a_distributed_job_outlasts_redis_at_its_rendezvous_and_slurmctld_at_its_requeue(
+def test_a_distributed_job_outlasts_a_proxy_killed_at_its_cut_redis_at_its_rendezvous_and_slurmctld(
         jobs, config, job_user, tmp_path):
     from test_distributed import DDP_ARGS, copy_example, job_script, reference_logs, wait_for_steps
 
@@ -144,12 +146,24 @@ def test_a_distributed_job_outlasts_redis_at_its_rendezvous_and_slurmctld_at_its
     out = jobs.workdir / "job.out"
     wait_for_steps(jobs, job_id, 2, 8)
     node = jobs.record(job_id)["BatchHost"]
+    checkpoint = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+    assert checkpoint.returncode == 0, checkpoint.stderr
+
+    # A device proxy dies during the distributed cut of a preemption: the job resumes from the
+    # checkpoint before.
+    faults.arm(config, "cut", "kill", node=node)
+    first = jobs.submit(jobs.script("urgent-cut.sh", URGENT), f"--nodelist={node}")
+    jobs.wait(job_id, lambda r: "restored checkpoint" in out.read_text(), "restored", timeout=240)
+    assert "checkpoint failed: " in out.read_text()
+    jobs.wait_state(first, "COMPLETED", timeout=240)
+    wait_for_steps(jobs, job_id, 2, 12)
+    node = jobs.record(job_id)["BatchHost"]
 
     # Redis goes away; the job is preempted: its checkpoint commits (the store is the truth), but
     # each restore's rendezvous fails, so the job is requeued again until Redis is back.
     daemons.stop(table["redis"])
     try:
-        urgent = jobs.submit(jobs.script("urgent.sh", URGENT), f"--nodelist={node}")
+        urgent = jobs.submit(jobs.script("urgent-redis.sh", URGENT), f"--nodelist={node}")
         jobs.wait(job_id, lambda r: "could not reach the job's other proxies" in out.read_text(),
                   "requeued for a failed rendezvous", timeout=240)
     finally:

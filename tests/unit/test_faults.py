@@ -82,7 +82,7 @@ def test_a_stall_waits_there_having_said_it_got_there(config) -> None:
 
 
 def test_unknown_points_and_actions_are_refused(config) -> None:
-    with pytest.raises(ValueError, match="points are dump, store-write, commit, requeue, restore"):
+    with pytest.raises(ValueError, match="points are dump, store-write, commit, requeue, restore, cut"):
         faults.arm(config, "nowhere", "kill")
     with pytest.raises(ValueError, match="actions kill, fail, stall"):
         faults.arm(config, "dump", "explode")
