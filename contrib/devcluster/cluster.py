@@ -66,9 +66,9 @@ def _write_configs(layout: Layout, say: Say) -> tuple[config_mod.Config, list[Pa
     changed: list[Path] = []
     etc = layout.singularity_etc
     config_file = etc / "config.toml"
-    if not config_file.exists():
-        policy.write_atomic(config_file, render.render_singularity_config(layout))
-        changed.append(config_file)
+    if render.is_generated_config(config_file) and policy.write_atomic(
+            config_file, render.render_singularity_config(layout)):
+        changed.append(config_file)  # ours (new, or an earlier version's): a file edited by hand stays
     password_file = etc / "redis.password"
     if not password_file.exists():
         policy.write_atomic(password_file, secrets.token_urlsafe(24) + "\n", mode=0o600)

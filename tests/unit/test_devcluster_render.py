@@ -241,3 +241,22 @@ def test_no_rendered_file_leaves_a_python_repr() -> None:
 def test_the_dev_cluster_has_two_distinct_unprivileged_job_users() -> None:
     assert LAYOUT.job_users == ("jobuser", "jobuser2")
     assert Layout(hostname="h", job_user="a", other_user="b").job_users == ("a", "b")
+
+
+def test_the_dev_clusters_own_config_is_rewritten_and_a_hand_written_one_kept(tmp_path: Path) -> None:
+    from singularity_slurm.devcluster.render import is_generated_config
+
+    path = tmp_path / "config.toml"
+    assert is_generated_config(path)  # none yet
+    path.write_text("# Singularity configuration of the dev cluster (see contrib/config/config.toml "
+                    "for every key).\n[tiers]\n")  # an earlier version's
+    assert is_generated_config(path)
+    path.write_text(render_singularity_config(LAYOUT))
+    assert is_generated_config(path)
+    path.write_text("# mine\n" + render_singularity_config(LAYOUT))
+    assert not is_generated_config(path)
+
+
+def test_the_dev_cluster_keeps_no_ended_jobs_checkpoints_and_arms_fault_points() -> None:
+    config = parse(tomllib.loads(render_singularity_config(LAYOUT)))
+    assert (config.store.retention_min, config.testing.faults) == (0, True)
