@@ -57,20 +57,28 @@ def _wait_until_no_jobs(users: list[str], timeout: float = 60) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def store_holds_only_live_jobs(cluster) -> Iterator[None]:
-    """After the whole suite, the store holds nothing but the folders of jobs that still live: every
-    job that ended has gone (the dev cluster keeps ended jobs' checkpoints for 0 minutes)."""
-    yield
+    """After the whole suite, the store holds nothing of the suite's jobs but the folders of jobs that
+    still live: every job that ended has gone (the dev cluster keeps ended jobs' checkpoints for 0
+    minutes). Folders from before the suite (an earlier run's, an orphan not yet old enough) are not
+    the suite's."""
     config = config_mod.load()
+    before = set(_store_folders(config.paths.store_root))
+    yield
     _wait_until_no_jobs([u for u in default_layout().job_users if _exists(u)])
     proc = subprocess.run([CTL, "admin", "gc", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     live = {r["JobId"] for r in SlurmClient().jobs()
             if r.get("JobState") not in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
                                          "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY")}
-    roots = [config.paths.store_root, *sorted((config.paths.store_root / "ranks").glob("*"))]
     left = {str(folder): sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-            for root in roots for folder in (root / "jobs").glob("*") if folder.name not in live}
+            for folder in _store_folders(config.paths.store_root)
+            if folder not in before and folder.name not in live}
     assert not left, f"the store still holds folders of jobs that ended (bytes): {left}"
+
+
+def _store_folders(root: Path) -> list[Path]:
+    return [folder for part in (root, *sorted((root / "ranks").glob("*")))
+            for folder in (part / "jobs").glob("*")]
 
 
 def _exists(user: str) -> bool:
