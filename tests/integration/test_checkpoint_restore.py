@@ -50,6 +50,10 @@ def training_log(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def reference_log() -> str:
+    return run_reference()
+
+
+def run_reference() -> str:
     """L0: the same command, run undisturbed by the job user."""
     work = Path("/home/jobuser/tests/reference")
     work.mkdir(parents=True, exist_ok=True)
