@@ -128,7 +128,7 @@ def run(config_path: Path | None, checkpoint_interval: float | None, world_size:
         singularityctl run --world-size 4 -- python train_ddp.py
 
     On the first start COMMAND is started; after a requeue the last checkpoint is restored and
-    COMMAND continues where it stopped. The preemption warning signal (SIGUSR2; SIGTERM as a
+    COMMAND continues where it stopped. The preemption warning signal (SIGURG; SIGTERM as a
     fallback) checkpoints and requeues the job. Written in a batch script, `run` starts itself as a
     job step (srun --overlap), which Slurm's warning reaches: no `exec` or trap is needed, and the
     lines after it run once COMMAND has ended. The exit status is COMMAND's.
@@ -240,7 +240,7 @@ def agent_call(config_path: Path | None, op: str, args: str) -> None:
     from singularity_slurm.jobenv import job_run_dir
 
     config = _load(config_path)
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+    for sig in (signal.SIGURG, signal.SIGUSR1, signal.SIGUSR2):
         # A job step like any other, it gets the preemption warning too; the launcher acts on it.
         signal.signal(sig, signal.SIG_IGN)
     try:

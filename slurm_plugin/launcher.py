@@ -2,7 +2,7 @@
 
 The launcher runs as a job step of its own. Written in a batch script, `singularityctl run` starts
 itself again through `srun --overlap` on the batch host (`run_as_step`) and waits for that step:
-Slurm's warning signal (`--signal=USR2@T`, set by the policy without `B:`) goes to every step of the
+Slurm's warning signal (`--signal=URG@T`, set by the policy without `B:`) goes to every step of the
 job and never to the batch shell, so the launcher hears it whatever the script looks like (bash or
 sh, with or without `exec`, `set -e`, lines after `run`, `sbatch --wrap`), and the shell lives on.
 Run from a step already (`srun singularityctl run ...`), it is the step.
@@ -47,7 +47,8 @@ from . import lifecycle
 LOG = logging.getLogger("singularity.launcher")
 FRONT_PID = "SINGULARITY_LAUNCHER_FRONT"
 FRONT_OUTPUT = "SINGULARITY_LAUNCHER_OUTPUT"
-WARNING_SIGNALS = (signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
+WARNING_SIGNALS = (signal.SIGURG, signal.SIGUSR2, signal.SIGUSR1, signal.SIGTERM)
+"""The policy's warning (URG, unless configured otherwise), a user's own `--signal`, and SIGTERM."""
 REQUEUE_WAIT_S = 300.0
 """How long a launcher that asked for a requeue waits for Slurm to end it with the job."""
 REQUEUE_RETRY_S = 600.0

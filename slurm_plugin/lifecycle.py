@@ -63,8 +63,9 @@ class StartFailed:
 class Warning:
     """Slurm's warning signal (or SIGTERM). `preempting`: Slurm records a preemption of the job.
 
-    SIGUSR1/SIGUSR2 come only from the `--signal` the policy set: a preemption or the end of the
-    time limit, both of which should checkpoint and requeue. SIGTERM is also how `scancel` and the
+    SIGURG (SIGUSR1/SIGUSR2 from a user's own `--signal`) comes only from the `--signal` set at
+    submission: a preemption or the end of the time limit, both of which should checkpoint and
+    requeue. SIGTERM is also how `scancel` and the
     time limit end a job; only a recorded preemption makes it a warning.
     """
 

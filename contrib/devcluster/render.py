@@ -197,7 +197,7 @@ def render_singularity_config(layout: Layout) -> str:
         'default = "basic"',
         "",
         "[preemption]",
-        'signal = "USR2"',
+        'signal = "URG"',
         f"warn_time = {layout.grace_time}",
         "",
         "[redis]",

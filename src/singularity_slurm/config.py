@@ -170,8 +170,8 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "tiers.<tier>.partition": (None, str, "Slurm partition that runs the tier (default: its name)"),
     "tiers.<tier>.checkpoint_interval_min": (
         None, int, "minutes between periodic checkpoints, 0 = off (premium 0, standard 60, basic 30)"),
-    "preemption.signal": ("USR2", str, "warning signal sent to the job's steps (the launcher) before "
-                                       "preemption"),
+    "preemption.signal": ("URG", str, "warning signal sent to the job's steps (the launcher) before "
+                                      "preemption; one the job's processes ignore by default (URG)"),
     "preemption.warn_time": (60, int, "seconds between the warning signal and the kill; keep <= GraceTime"),
     "redis.host": ("127.0.0.1", str, "Redis host of the coordinator"),
     "redis.port": (6379, int, "Redis port"),
@@ -274,10 +274,11 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
 
     pre_raw = data.get("preemption", {})
     _check_keys(pre_raw, {"signal", "warn_time"}, "preemption")
-    sig = _take(pre_raw, "signal", "preemption", str, "USR2").upper().removeprefix("SIG")
+    sig = _take(pre_raw, "signal", "preemption", str, "URG").upper().removeprefix("SIG")
     if f"SIG{sig}" not in signal.Signals.__members__ or sig in {"KILL", "STOP"}:
         raise ConfigError(
-            f"preemption.signal = {sig!r} is not a catchable signal name; use USR1, USR2 or TERM"
+            f"preemption.signal = {sig!r} is not a catchable signal name; use URG (the default), USR1, USR2 "
+            "or TERM"
         )
     warn_time = _take(pre_raw, "warn_time", "preemption", int, 60)
     if not 1 <= warn_time <= 65535:

@@ -345,7 +345,7 @@ def test_a_two_node_job_is_checkpointed_and_restored_on_every_node(jobs, referen
 
     text = log.read_text()
     assert "on 2 nodes (n1,n2)" in text
-    assert "preemption warning (SIGUSR2): checkpointing" in text
+    assert "preemption warning (SIGURG): checkpointing" in text
     for rank_log in ranks:
         assert rank_log.read_text() == reference_log
 

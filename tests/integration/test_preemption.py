@@ -12,11 +12,11 @@ VICTIM = """#!/bin/bash
 #SBATCH --nodes=2 --gres=gpu:4
 #SBATCH -o victim-%j.out
 on_signal() { echo "$1 signal $2"; scontrol requeue "$SLURM_JOB_ID"; exit 0; }
-for s in USR1 USR2 TERM; do trap "on_signal batch $s" $s; done
+for s in URG USR1 USR2 TERM; do trap "on_signal batch $s" $s; done
 echo "start restart=${SLURM_RESTART_COUNT:-0}"
 srun --overlap --nodes=1 --ntasks=1 bash -c '
 on_signal() { echo "$1 signal $2"; scontrol requeue "$SLURM_JOB_ID"; exit 0; }
-for s in USR1 USR2 TERM; do trap "on_signal step $s" $s; done
+for s in URG USR1 USR2 TERM; do trap "on_signal step $s" $s; done
 echo "step started"
 for i in $(seq 1 600); do sleep 1; done' &
 wait
@@ -47,8 +47,8 @@ def test_premium_job_preempts_basic_job_which_gets_the_default_signal_and_is_req
     assert "start restart=0" in output
     # The warning goes to the job's steps (the launcher is one), never to the batch shell. (The
     # batch shell's SIGTERM from the requeue may be written before srun relays the step's line.)
-    assert "step signal USR2" in output
-    assert "batch signal USR2" not in output
+    assert "step signal URG" in output
+    assert "batch signal URG" not in output
     status = {j["job_id"]: j for j in ctl_json("status")}
     assert status[victim]["tier"] == "basic"
     assert status[victim]["restart_count"] >= 1
@@ -60,4 +60,4 @@ def test_a_job_that_sets_its_own_signal_keeps_it(jobs):
     _, _, output = _preempt(jobs, "--signal=B:USR1@15")
     assert "batch signal USR1" in output
     assert "step signal USR1" not in output
-    assert "signal USR2" not in output
+    assert "signal URG" not in output

@@ -128,7 +128,7 @@ def test_the_readme_example_as_printed_survives_two_preemptions_and_a_migration_
 
     text = log.read_text()
     assert training_log(text) == reference_log
-    assert text.count("preemption warning (SIGUSR2): checkpointing") == 2
+    assert text.count("preemption warning (SIGURG): checkpointing") == 2
     assert text.count("migration requested") == 1
     assert text.count("restored checkpoint") == 3
     assert record["ExitCode"] == "0:0"
@@ -160,7 +160,7 @@ def test_every_script_form_is_checkpointed_requeued_and_completes_identically(jo
         record = jobs.wait_state(job_id, "COMPLETED", timeout=240)
         text = logs[name].read_text()
         assert training_log(text) == reference_log, name
-        assert "preemption warning (SIGUSR2): checkpointing" in text, name
+        assert "preemption warning (SIGURG): checkpointing" in text, name
         assert record["ExitCode"] == "0:0", name
         assert int(record["Restarts"]) >= 1, name
     assert jobs.wait_state(failing, "FAILED")["ExitCode"] == "3:0"

@@ -67,8 +67,8 @@ def test_default_checkpoint_intervals_per_tier() -> None:
 def test_default_preemption_warns_with_usr2_sixty_seconds_ahead() -> None:
     config = parse({})
 
-    assert config.preemption == PreemptionConfig(signal="USR2", warn_time=60)
-    assert config.preemption.sbatch_signal == "USR2@60"
+    assert config.preemption == PreemptionConfig(signal="URG", warn_time=60)
+    assert config.preemption.sbatch_signal == "URG@60"
 
 
 def test_default_redis_and_paths() -> None:
@@ -200,7 +200,8 @@ def test_default_tier_that_is_not_a_tier_lists_the_tiers() -> None:
 ])
 def test_signal_that_cannot_be_caught_or_does_not_exist_is_refused(given: str, shown: str) -> None:
     assert config_error({"preemption": {"signal": given}}) == (
-        f"preemption.signal = {shown!r} is not a catchable signal name; use USR1, USR2 or TERM"
+        f"preemption.signal = {shown!r} is not a catchable signal name; use URG (the default), USR1, USR2 "
+        "or TERM"
     )
 
 
@@ -208,7 +209,8 @@ def test_signal_module_constant_that_is_not_a_signal_is_refused() -> None:
     # `signal.SIG_DFL` (like SIG_IGN and SIG_BLOCK) is a handler constant, not a signal: accepted,
     # it would make every batch job carry `--signal=_DFL@60`, which sbatch refuses.
     assert config_error({"preemption": {"signal": "SIG_DFL"}}) == (
-        "preemption.signal = '_DFL' is not a catchable signal name; use USR1, USR2 or TERM"
+        "preemption.signal = '_DFL' is not a catchable signal name; use URG (the default), USR1, USR2 "
+        "or TERM"
     )
 
 

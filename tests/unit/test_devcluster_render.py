@@ -225,7 +225,7 @@ def test_singularity_config_is_valid_and_warns_within_the_grace_time() -> None:
     config = parse(tomllib.loads(render_singularity_config(layout)))
 
     assert config.default_tier == "basic"
-    assert config.preemption.sbatch_signal == "USR2@45"
+    assert config.preemption.sbatch_signal == "URG@45"
     assert config.redis.port == 6390
     assert config.redis.password_file == Path("/srv/etc/redis.password")
     assert config.paths.prefix == Path("/srv/sing")

@@ -710,7 +710,7 @@ def test_batch_job_without_its_own_signal_gets_the_warning_signal(
     run = pre_submit(tmp_path, parse({}), {"type": "sbatch", "signal": signal})
 
     assert run.rc == SUCCESS
-    assert run.fields["signal"] == "USR2@60"
+    assert run.fields["signal"] == "URG@60"
 
 
 @needs_lua
