@@ -232,7 +232,7 @@ class CheckpointEngine:
             return
         if common is None:
             return
-        keep = {generation, *newest_first(common)[:self.keep - 1]}
+        keep = {generation, *newest_first(common)[:max(self.keep - 1, 1)]}
         doomed = [m.seq for m in self.store.list(job_id)
                   if of_run(run)(m) and m.meta.get("generation") and m.meta["generation"] not in keep]
         if doomed:

@@ -51,6 +51,16 @@ def test_restart_ten_is_kept_over_restart_nine(tmp_path: Path) -> None:
     assert generations(engine) == ["10.100", "10.200"]
 
 
+def test_keeping_one_checkpoint_still_keeps_the_newest_common_generation(tmp_path: Path) -> None:
+    engine = engine_on(tmp_path, keep=1)
+    for i, generation in enumerate(["1.1", "1.2", "1.3"]):
+        commit(engine, generation, bytes([i]) * 4096)
+
+    engine._prune(JOB, "1.3", RUN, common=["1.2", "1.1"])  # 1.3 may not have reached every node
+
+    assert generations(engine) == ["1.2", "1.3"]
+
+
 def test_without_knowing_what_every_node_has_nothing_is_pruned(tmp_path: Path) -> None:
     engine = engine_on(tmp_path, keep=1)
     for i, generation in enumerate(["1.1", "1.2", "1.3"]):
@@ -65,11 +75,12 @@ def test_other_runs_checkpoints_are_left_alone(tmp_path: Path) -> None:
     engine = engine_on(tmp_path, keep=1)
     commit(engine, "1.1", b"a" * 4096, run="0-ffffffffffffffff")
     commit(engine, "1.2", b"b" * 4096)
-    commit(engine, "1.3", b"c" * 4096)
+    commit(engine, "1.25", b"c" * 4096)
+    commit(engine, "1.3", b"d" * 4096)
 
-    engine._prune(JOB, "1.3", RUN, common=["1.2"])
+    engine._prune(JOB, "1.3", RUN, common=["1.25", "1.2"])
 
-    assert generations(engine) == ["1.1", "1.3"]
+    assert generations(engine) == ["1.1", "1.25", "1.3"]
 
 
 @pytest.mark.parametrize("keep", [1, 3])
