@@ -155,7 +155,7 @@ class PruneResult:
     tmp_entries_deleted: int  # files or whole writer folders left behind by dead writers
     tmp_bytes_deleted: int
     chunk_gc_deferred: bool = False  # a writer was active, so unreferenced chunks wait for the next prune
-    skipped: tuple[Refusal, ...] = ()  # unreadable manifests and pack indexes left alone, and why
+    skipped: tuple[Skipped, ...] = ()  # unreadable manifests and pack indexes left alone, and why
 
 
 @dataclass(frozen=True)
