@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -161,29 +161,24 @@ def apply(folder: JobFolder, verdict: Verdict, now: float) -> int:
     return 0
 
 
-def job_folders(roots: Iterable[Path], only: str | None = None) -> list[JobFolder]:
-    folders = []
+def _entries(roots: Iterable[Path]) -> Iterator[tuple[Path, str]]:
+    """(store root, name) of everything in each root's jobs/ folder, in name order."""
     for root in roots:
         try:
             names = os.listdir(root / "jobs")
         except FileNotFoundError:
             continue
-        for name in sorted(names):
-            if _JOB_ID.fullmatch(name) and (only is None or name == only) and (root / "jobs" / name).is_dir():
-                folders.append(read_folder(root, name))
-    return folders
+        yield from ((root, name) for name in sorted(names))
+
+
+def job_folders(roots: Iterable[Path], only: str | None = None) -> list[JobFolder]:
+    return [read_folder(root, name) for root, name in _entries(roots)
+            if _JOB_ID.fullmatch(name) and (only is None or name == only) and (root / "jobs" / name).is_dir()]
 
 
 def leftovers(roots: Iterable[Path]) -> list[Path]:
     """Folders of claimed-over incarnations and deletions cut short."""
-    found = []
-    for root in roots:
-        try:
-            names = os.listdir(root / "jobs")
-        except FileNotFoundError:
-            continue
-        found += [root / "jobs" / n for n in sorted(names) if n.startswith(LEFTOVER_PREFIXES)]
-    return found
+    return [root / "jobs" / name for root, name in _entries(roots) if name.startswith(LEFTOVER_PREFIXES)]
 
 
 def sweep(root: Path, states: Mapping[str, str], now: float, retention_s: float, orphan_age_s: float,
