@@ -64,6 +64,7 @@ _FULL = {errno.ENOSPC, errno.EDQUOT}
 _MANIFEST_KEYS = {"format", "job_id", "seq", "created_at", "reason", "meta", "files", "logical_bytes",
                   "new_bytes"}
 _FILE_KEYS = {"path", "mode", "size", "chunks"}
+FENCE = "fence.json"
 
 
 def job_key(job_id: int | str) -> str:
@@ -156,6 +157,23 @@ class PruneResult:
     tmp_bytes_deleted: int
     chunk_gc_deferred: bool = False  # a writer was active, so unreferenced chunks wait for the next prune
     skipped: tuple[Skipped, ...] = ()  # unreadable manifests and pack indexes left alone, and why
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Where the job's latest incarnation began: its restart count, and the newest checkpoint then.
+
+    A checkpoint taken by an older incarnation and committed after that (a node agent that went on
+    after the job had been restarted elsewhere) is not the job's: `excludes` says so.
+    """
+
+    restart: int
+    seq: int
+
+    def excludes(self, manifest: Manifest) -> bool:
+        taken = manifest.meta.get("restart")
+        return (isinstance(taken, int) and not isinstance(taken, bool) and taken < self.restart
+                and manifest.seq > self.seq)
 
 
 @dataclass(frozen=True)
@@ -258,6 +276,11 @@ def read_pack_index(path: Path, pack_size: int | None) -> dict[str, tuple[int, i
                              f"end of its pack ({pack_size} bytes)")
         entries[chunk_hash] = (offset, length)
     return entries
+
+
+def _stale(manifest: Manifest, fence: Fence) -> str:
+    return (f"it was committed by a node agent of restart {manifest.meta.get('restart')} after restart "
+            f"{fence.restart} of the job had begun (a stale agent's); it is not restored")
 
 
 def _object(doc: Any, keys: set[str], what: str) -> dict[str, Any]:
@@ -475,6 +498,30 @@ class CheckpointStore:
     def manifest_path(self, job_id: int | str, seq: int) -> Path:
         return self.job_dir(job_id) / "manifests" / f"{seq:08d}.json"
 
+    def read_fence(self, job_id: int | str) -> Fence | None:
+        """The job's fence (see Fence), or None: none yet, or a damaged one (nothing is fenced out)."""
+        try:
+            doc = json.loads((self.job_dir(job_id) / FENCE).read_bytes())
+            return Fence(_int(doc["restart"], "restart"), _int(doc["seq"], "seq"))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def raise_fence(self, job_id: int | str, restart: int) -> Fence:
+        """Record that incarnation `restart` of the job begins now (never lowers the fence)."""
+        current = self.read_fence(job_id)
+        if current is not None and current.restart >= restart:
+            return current
+        seqs = self.seqs(job_id)
+        fence = Fence(restart, seqs[-1] if seqs else 0)
+        folder = self.job_dir(job_id)
+        with _store_io(self.root, f"record the start of restart {restart} of job {folder.name}"):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = folder / f".{FENCE}.{uuid.uuid4().hex[:8]}"
+            _write_durably(tmp, json.dumps({"restart": fence.restart, "seq": fence.seq}).encode())
+            os.replace(tmp, folder / FENCE)
+            _fsync_dir(folder)
+        return fence
+
     def jobs(self) -> list[str]:
         """Job ids with a folder in the store (with or without checkpoints)."""
         try:
@@ -677,10 +724,14 @@ class CheckpointStore:
         `where` skips checkpoints it rejects (those of another run of the job) without refusing them.
         """
         refused: list[Refusal] = []
+        fence = self.read_fence(job_id)
         for seq in reversed(self.seqs(job_id)):
             try:
                 manifest = self.read(job_id, seq)
                 if where is not None and not where(manifest):
+                    continue
+                if fence is not None and fence.excludes(manifest):
+                    refused.append(Refusal(seq, _stale(manifest, fence)))
                     continue
                 self.verify(manifest)
             except NoCheckpoint:  # pruned since we listed the folder
@@ -730,14 +781,20 @@ class CheckpointStore:
         manifests: list[Manifest] = []
         skipped: list[Skipped] = []
         newer = False
+        fence = self.read_fence(job_id)
         for seq in self.seqs(job_id):
             try:
-                manifests.append(self.read(job_id, seq))
+                manifest = self.read(job_id, seq)
             except NoCheckpoint:  # pruned since we listed the folder
                 continue
             except CorruptCheckpoint as exc:
                 skipped.append(Skipped(f"checkpoint {seq} ({self.manifest_path(job_id, seq)})", exc.detail))
                 newer = newer or isinstance(exc, NewerCheckpointFormat)
+                continue
+            if fence is not None and fence.excludes(manifest):
+                skipped.append(Skipped(f"checkpoint {seq}", _stale(manifest, fence)))
+                continue
+            manifests.append(manifest)
         return manifests, skipped, newer
 
     def _referenced(self, job_id: int | str) -> tuple[set[str], list[Skipped], bool]:
@@ -981,6 +1038,11 @@ class CheckpointWriter:
                     packed = self.store.pack_index(self.job_id)
                 else:
                     packed = {}
+                fence, mine = self.store.read_fence(self.job_id), self.meta.get("restart")
+                if fence is not None and isinstance(mine, int) and mine < fence.restart:
+                    raise CheckpointConflict(
+                        f"job {self.job_id} was restarted (restart {fence.restart}) since this checkpoint "
+                        f"of restart {mine} began; it is not committed")
                 for chunk_hash, length in self._refs.items():
                     path = self.store.chunk_path(self.job_id, chunk_hash)
                     if _size(path) != length and packed.get(chunk_hash, (None, 0, -1))[2] != length:

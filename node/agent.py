@@ -204,6 +204,7 @@ class AgentState:
         spec = engine.tree_spec(request, self.job_uid, self.job_id)
         self.run_key = _run_key(request)
         cgroups = self._job_cgroups()
+        engine.begin(self.job_id)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
@@ -219,6 +220,7 @@ class AgentState:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
             engine.use_rank(request.get("rank", 0))
+            engine.begin(self.job_id)
             self._configure_proxies(request.get("proxy"))
             self.run_key = _run_key(request)
             result = engine.restore(self.job_id, self.job_uid, request.get("generation"), self.run_key,
@@ -608,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--uid", type=int, required=True, help="uid of the job's user")
     parser.add_argument("--node", required=True)
     parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--restart", type=int, default=None,
+                        help="the job's Slurm restart count (fences out checkpoints of older restarts)")
     parser.add_argument("--no-engine", action="store_true",
                         help="serve ping/status only (no CRIU, no store)")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
@@ -628,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         from .engine import CheckpointEngine
 
         engine = CheckpointEngine.from_config(args.node, args.socket.parent)
+        engine.restart = args.restart
         cut_timeout = float(engine.config.proxy.cut_timeout)
         rank_dir = str(rank_socket_dir(engine.config.paths.state_dir))
     state = AgentState(args.job_id, args.uid, args.node, engine, run_dir=args.socket.parent,

@@ -131,6 +131,7 @@ class CheckpointEngine:
         self.slurm = slurm
         self.keep = keep
         self.rank = 0
+        self.restart: int | None = None  # the job's Slurm restart count when the agent started
 
     def use_rank(self, rank: int) -> None:
         """Keep this node's checkpoints apart from the other nodes' of a multi-node job.
@@ -142,6 +143,12 @@ class CheckpointEngine:
         self.rank = rank
         root = self.config.paths.store_root
         self.store = job_store(root if rank == 0 else root / "ranks" / str(rank))
+
+    def begin(self, job_id: int) -> None:
+        """A start or restore of this node's part of the job: from now on, a checkpoint an older
+        incarnation's agent commits (it went on after the job restarted elsewhere) is fenced out."""
+        if self.restart is not None:
+            self.store.raise_fence(job_id, self.restart)
 
     @classmethod
     def from_config(cls, node: str, run_dir: Path) -> CheckpointEngine:
@@ -252,7 +259,7 @@ class CheckpointEngine:
             manifest = images.upload(self.store, job_id, work, reason, {
                 "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
                 "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
-                "rank": self.rank, "generation": generation, "run": run,
+                "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
             }, extra=local.entries, fault=lambda: faults.point(self.config, "store-write", self.node))
         finally:
             shutil.rmtree(copies, ignore_errors=True)

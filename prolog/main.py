@@ -33,7 +33,7 @@ def agent_spec(job: JobContext, run_dir: Path) -> services.ServiceSpec:
     socket_path = run_dir / "agent.sock"
     argv = [str(Path(sys.executable).with_name("singularity-node-agent")),
             "--job-id", str(job.job_id), "--uid", str(job.uid), "--node", job.node,
-            "--socket", str(socket_path)]
+            "--socket", str(socket_path), "--restart", str(job.restart_count)]
     return services.ServiceSpec(AGENT, argv, ready_path=socket_path)
 
 

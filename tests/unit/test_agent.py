@@ -366,6 +366,9 @@ class RecordingEngine:
     def use_rank(self, rank: object) -> None:
         self.ranks.append(rank)
 
+    def begin(self, job_id: int) -> None:
+        pass
+
     def tree_spec(self, request: dict, uid: int, job_id: int) -> SimpleNamespace:
         self.requests.append(request)
         return SimpleNamespace(argv=request["argv"])

@@ -19,6 +19,7 @@ import xxhash
 from singularity_slurm.checkpoint.store import (
     DEFAULT_MAX_CHUNK,
     CheckpointStore,
+    Fence,
     FileEntry,
     Manifest,
     PruneResult,
@@ -719,3 +720,53 @@ def test_a_full_disk_fails_the_writer_and_keeps_the_last_checkpoint(small_fs: Pa
                                                   "img/core-1.img": b"core"}
     # The failed writer gave its space back: the next checkpoint fits.
     assert commit(store, {"img/pages-1.img": noise(CHUNK * 4, 3)}).seq == 2
+
+
+# --- fencing a stale agent out --------------------------------------------------------------------
+
+
+def commit_as(store: CheckpointStore, restart: int, data: bytes) -> Manifest:
+    with store.begin(JOB, reason="periodic", meta={"restart": restart}) as writer:
+        writer.add_bytes("a", data)
+        return writer.commit()
+
+
+def test_a_checkpoint_an_older_incarnation_commits_after_the_restart_is_fenced_out(
+        store: CheckpointStore) -> None:
+    commit_as(store, 0, b"one")
+    store.raise_fence(JOB, 1)  # the job restarted elsewhere (restart 1) and restores checkpoint 1
+    with store.begin(JOB, reason="periodic", meta={"restart": 0}) as stale:  # its old agent went on
+        stale.add_bytes("a", b"stale")
+        newer = commit_as(store, 1, b"two")  # the new incarnation's own checkpoint
+        with pytest.raises(CheckpointConflict, match="was restarted .restart 1. since this checkpoint of "
+                                                     "restart 0 began"):
+            stale.commit()
+    assert store.seqs(JOB) == [1, 2]
+    assert store.latest_valid(JOB)[0] == newer
+
+
+def test_a_stale_commit_that_slips_past_the_check_is_never_restored(store: CheckpointStore) -> None:
+    first = commit_as(store, 0, b"one")
+    with store.begin(JOB, reason="periodic", meta={"restart": 0}) as stale:
+        stale.add_bytes("a", b"stale")
+        store.raise_fence(JOB, 1)
+        store.raise_fence(JOB, 0)  # never lowered
+        # checked before the fence went up, linked after it: the readers still tell it apart
+        stale.store.read_fence = lambda job_id: None  # type: ignore[method-assign]
+        late = stale.commit()
+    del store.read_fence
+
+    manifest, refused = store.latest_valid(JOB)
+    assert manifest == first
+    assert refused == [Refusal(late.seq, "it was committed by a node agent of restart 0 after restart 1 "
+                                         "of the job had begun (a stale agent's); it is not restored")]
+    assert store.list(JOB) == [first]
+    assert store.read_fence(JOB) == Fence(1, 1)
+
+
+def test_checkpoints_of_this_incarnation_and_unmarked_ones_are_not_fenced(store: CheckpointStore) -> None:
+    store.raise_fence(JOB, 2)
+    mine, unmarked = commit_as(store, 2, b"mine"), commit(store, {"a": b"old format"})
+    assert store.list(JOB) == [mine, unmarked]
+    (store.job_dir(JOB) / "fence.json").write_text("[]")  # damaged: nothing is fenced out
+    assert store.read_fence(JOB) is None
