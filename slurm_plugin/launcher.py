@@ -140,6 +140,20 @@ def being_preempted(job_id: int) -> bool:
     return record.get("PreemptTime", "None") not in ("None", "", "Unknown")
 
 
+ENDING_STATES = frozenset({"CANCELLED", "COMPLETING", "COMPLETED", "TIMEOUT", "FAILED", "NODE_FAIL",
+                           "DEADLINE", "OUT_OF_MEMORY"})
+
+
+def job_ending(job_id: int) -> bool:
+    """Whether Slurm is ending the job for good (scancel, time limit): its processes then die with
+    the job's cgroups, and that is no reason to requeue it. A job Slurm cannot tell about is not."""
+    try:
+        record = SlurmClient(timeout=10).job(job_id) or {}
+    except SingularityError:
+        return False
+    return record.get("JobState") in ENDING_STATES and not being_preempted(job_id)
+
+
 def in_job_step(env: Mapping[str, str]) -> bool:
     """Whether this process runs in a job step (srun), not in the batch script itself."""
     try:
@@ -600,8 +614,10 @@ class Launcher:
         status = max(int(r.get("exit_status") or 0) for r in replies)
         state = "dumped" if "dumped" in states else "killed" if "killed" in states else "exited"
         lost = next((r["proxy_lost"] for r in replies if r.get("proxy_lost")), None)
+        ending = status >= 128 and not lost and job_ending(self.info.job_id)
         self.events.put(lifecycle.TreeEnded(state, status, lost,
-                                            has_checkpoint=status >= 128 and self.has_checkpoint()))
+                                            has_checkpoint=status >= 128 and self.has_checkpoint(),
+                                            job_ending=ending))
 
     def has_checkpoint(self) -> bool:
         try:

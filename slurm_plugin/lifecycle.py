@@ -81,6 +81,7 @@ class TreeEnded:
     exit_status: int
     proxy_lost: str | None = None  # what became of a device proxy: "n1/gpu0 died", "... could not ..."
     has_checkpoint: bool = False
+    job_ending: bool = False  # Slurm is ending the job (scancel, time limit): it killed the tree
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,11 @@ def _tree_ended(state: State, event: TreeEnded) -> tuple[State, list[Action]]:
                                                           "requeued")]
     if event.state == "killed":
         return replace(state, phase=Phase.FINISHED), [Exit(EXIT_KILLED)]
+    if event.job_ending:
+        # Its processes died with the job's cgroups, perhaps before the launcher heard the SIGTERM.
+        return (replace(state, phase=Phase.FINISHED),
+                [Say("the job is ending (cancelled or out of time) and its processes with it: "
+                     "not checkpointing"), Exit(EXIT_SIGTERM)])
     if event.proxy_lost:
         return _requeue(state, f"device proxy {event.proxy_lost}; requeueing the job to resume from "
                                "its last checkpoint")

@@ -171,6 +171,15 @@ def test_a_killed_tree_without_a_checkpoint_ends_with_its_status() -> None:
     assert run(TreeEnded("exited", 137), state=running())[1] == [FinishRun(137), Exit(137)]
 
 
+def test_a_tree_killed_because_slurm_ends_the_job_is_not_requeued_even_with_a_checkpoint() -> None:
+    # scancel: Slurm kills what its cgroups hold, perhaps before the launcher hears its SIGTERM
+    state, actions = run(TreeEnded("exited", 137, has_checkpoint=True, job_ending=True), state=running())
+
+    assert state.phase == Phase.FINISHED
+    assert actions == [Say("the job is ending (cancelled or out of time) and its processes with it: "
+                           "not checkpointing"), Exit(143)]
+
+
 def test_a_lost_device_proxy_requeues_the_job() -> None:
     state, actions = run(TreeEnded("exited", 137, proxy_lost="n1/gpu0 died"), state=running())
 
