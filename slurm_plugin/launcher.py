@@ -55,6 +55,9 @@ REQUEUE_RETRY_S = 600.0
 """How long a requeue that fails (slurmctld restarting or failing over) is tried again."""
 BUSY_RETRY_S = 120.0
 """How long a request the agent answers `busy` (it serves as many connections as it allows) is retried."""
+REVIVE_TIMEOUT_S = 45.0
+"""How long the step that brings up a new node agent and requeues through it may take (seconds, when
+slurmctld answers)."""
 MAX_COMMON = 8
 """Committed generations a multi-node checkpoint names to the agents, which keep the newest of them."""
 
@@ -463,7 +466,7 @@ class Launcher:
             else:
                 return None
         try:
-            self.fanout("requeue", payload, timeout=120, nodes=[self.info.node])
+            self.fanout("requeue", payload, timeout=REVIVE_TIMEOUT_S, nodes=[self.info.node])
         except LaunchError as exc:
             problems.append(str(exc))  # or the requeue ended the step before it answered
         else:
