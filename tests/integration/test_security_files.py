@@ -211,6 +211,7 @@ def test_tracked_tmp_files_swapped_before_a_checkpoint_are_not_carried(jobs, job
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - started < 45, "the checkpoint blocked on a tracked file"
     _agent_answers(job_id, job_user.pw_name)
+    manifest = CheckpointStore(config.paths.store_root).list(job_id)[-1]  # the job's end deletes it
     jobs.wait_state(job_id, "COMPLETED", timeout=120)
 
     text = log.read_text()
@@ -221,7 +222,6 @@ def test_tracked_tmp_files_swapped_before_a_checkpoint_are_not_carried(jobs, job
                    f"not carried: {folder}/sub is a symlink or not a folder",
                    f"not carried: {folder}/shared.txt belongs to uid {other_user.pw_uid}"):
         assert notice in text, text
-    manifest = CheckpointStore(config.paths.store_root).list(job_id)[-1]
     assert [f for f in manifest.meta["local_files"] if f.startswith(f"files{folder}/")] == [
         f"files{folder}/kept.txt"]
     shutil.rmtree(folder, ignore_errors=True)
