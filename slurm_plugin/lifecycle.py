@@ -11,7 +11,8 @@ The job's phases:
     STARTING      -> RUNNING (Started)             | REQUEUEING (StartFailed, or a warning came first)
     RUNNING       -> CHECKPOINTING (periodic, manual)
                   -> STOPPING (warning, migrate)   -> REQUEUEING (checkpoint committed or failed)
-                  -> FINISHED (the command ended)  | REQUEUEING (killed after a checkpoint, proxy lost)
+                  -> FINISHED (the command ended, or Slurm is ending the job and killed it)
+                  -> REQUEUEING (killed after a checkpoint, proxy lost)
     CHECKPOINTING -> RUNNING (done or failed)      | STOPPING (a warning arrived meanwhile)
     REQUEUEING    -> REQUEUED (Slurm took the requeue: the launcher waits to be ended with the job)
                   -> STARTING (the requeue failed for good after a stop-checkpoint: restore here)
@@ -65,8 +66,8 @@ class Warning:
 
     SIGURG (SIGUSR1/SIGUSR2 from a user's own `--signal`) comes only from the `--signal` set at
     submission: a preemption or the end of the time limit, both of which should checkpoint and
-    requeue. SIGTERM is also how `scancel` and the
-    time limit end a job; only a recorded preemption makes it a warning.
+    requeue. SIGTERM is also how `scancel` and the time limit end a job; only a recorded
+    preemption makes it a warning.
     """
 
     signal: str
