@@ -311,7 +311,8 @@ def test_a_cancelled_job_is_not_checkpointed_or_requeued(jobs, job_user, config)
     proc = run_as(job_user.pw_name, ["scancel", str(job_id)])
     assert proc.returncode == 0, proc.stderr
     jobs.wait_state(job_id, "CANCELLED")
-    _wait_for_text(jobs, job_id, log, "not checkpointing")
+    # (The launcher's "not checkpointing" may not reach the output: with proctrack/cgroup Slurm ends
+    # the batch step's srun, which relays the launcher's lines, together with the launcher.)
     assert "committed" not in log.read_text()
     assert jobs.record(job_id)["Restarts"] == "0"
     assert CheckpointStore(config.paths.store_root).seqs(job_id) == []
