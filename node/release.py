@@ -4,7 +4,8 @@ A requeued job waits `cred_expire + 1` seconds (121 by default, reason BeginTime
 again. The delay is set when the requeue completes, after every epilog has run, so an update made
 right after `scontrol requeue` is overwritten. This helper outlives the job's epilog: it waits until
 the job is pending again, keeps it off the nodes a migration leaves (ExcNodeList can only change
-while the job is pending), and sets its start time to now. It gives up after `timeout` seconds.
+while the job is pending), and sets its start time to now, until the job starts or waits for
+something else. It gives up after `timeout` seconds.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ import time
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.slurmcli import SlurmClient
 
+# Reasons a requeued job may show while its start is delayed: BeginTime once the scheduler has looked
+# at it, None before that (the delay is already set when the requeue completes).
+DELAYED = ("BeginTime", "None")
+
 
 def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int,
                          exclude: list[str] | None = None, timeout: float = 90.0,
                          poll: float = 0.5, clock=time.monotonic, sleep=time.sleep) -> bool:
+    """True once the requeued job is no longer held back by the delay: it started again, or it waits
+    for something else (resources, priority). The start time is set again whenever the job shows
+    the delay, so a requeue that completes after an update cannot put the delay back unnoticed."""
+    released = False
     deadline = clock() + timeout
     while clock() < deadline:
         try:
@@ -26,20 +35,24 @@ def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int,
         except SingularityError:
             record = None
         if record is None:
-            return False
+            return released
         requeued = int(record.get("Restarts", 0) or 0) > restarts_before
-        if requeued and record.get("JobState") == "PENDING":
+        state = record.get("JobState")
+        if requeued and state == "PENDING":
             try:
                 if exclude:
                     slurm.run(exclude_argv(job_id, exclude))
                     exclude = None
-                if record.get("Reason") == "BeginTime":
-                    slurm.release_start(job_id)
-                return True
+                if record.get("Reason") not in DELAYED:
+                    return True
+                slurm.release_start(job_id)
+                released = True
             except SingularityError:
                 pass
+        elif requeued and released:
+            return True
         sleep(poll)
-    return False
+    return released
 
 
 def exclude_argv(job_id: int, nodes: list[str]) -> list[str]:

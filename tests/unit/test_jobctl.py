@@ -112,13 +112,37 @@ def _no_sleep(_):
 
 def test_the_delay_is_lifted_only_once_the_requeue_completed():
     slurm = FakeSlurm([{"JobState": "COMPLETING", "Restarts": "0"},
-                       {"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"}])
+                       {"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"},
+                       {"JobState": "RUNNING", "Restarts": "1"}])
     assert release_when_pending(slurm, 7, 0, sleep=_no_sleep) is True
     assert slurm.calls == [["release", 7]]
 
 
+def test_a_requeued_job_the_scheduler_has_not_looked_at_yet_is_released_too():
+    """Right after the requeue completes the job shows Reason None, its start already delayed."""
+    slurm = FakeSlurm([{"JobState": "PENDING", "Restarts": "1", "Reason": "None"},
+                       {"JobState": "PENDING", "Restarts": "1", "Reason": "Resources"}])
+    assert release_when_pending(slurm, 7, 0, sleep=_no_sleep) is True
+    assert slurm.calls == [["release", 7]]
+
+
+def test_a_delay_put_back_by_a_late_requeue_is_lifted_again():
+    slurm = FakeSlurm([{"JobState": "PENDING", "Restarts": "1", "Reason": "None"},
+                       {"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"},
+                       {"JobState": "RUNNING", "Restarts": "1"}])
+    assert release_when_pending(slurm, 7, 0, sleep=_no_sleep) is True
+    assert slurm.calls == [["release", 7], ["release", 7]]
+
+
+def test_a_job_held_for_another_reason_is_left_alone():
+    slurm = FakeSlurm([{"JobState": "PENDING", "Restarts": "1", "Reason": "JobHeldAdmin"}])
+    assert release_when_pending(slurm, 7, 0, sleep=_no_sleep) is True
+    assert slurm.calls == []
+
+
 def test_a_migration_sets_the_excluded_nodes_before_lifting_the_delay():
-    slurm = FakeSlurm([{"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"}])
+    slurm = FakeSlurm([{"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"},
+                       {"JobState": "RUNNING", "Restarts": "1"}])
     assert release_when_pending(slurm, 7, 0, exclude=["n1"], sleep=_no_sleep) is True
     assert slurm.calls == [exclude_argv(7, ["n1"]), ["release", 7]]
     assert exclude_argv(7, ["n1", "n2"]) == ["scontrol", "update", "JobId=7", "ExcNodeList=n1,n2"]
