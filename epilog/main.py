@@ -28,7 +28,8 @@ def run(env: dict[str, str]) -> int:
     status = 0
     run_dir = job_run_dir(config.paths.state_dir, job.node, job.job_id)
     if run_dir.exists():
-        stopped = services.stop_all(run_dir)
+        # The agent first: it must not take the proxies' ends for a failure of the running job.
+        stopped = services.stop_all(run_dir, first=[services.AGENT])
         left = [p.stem for p in run_dir.glob("*.pid") if services.running_pid(run_dir, p.stem)]
         if left:
             log.error("services still running after stop: %s; leaving %s", left, run_dir)

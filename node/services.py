@@ -12,12 +12,15 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from singularity_slurm import rootexec
 from singularity_slurm.errors import ServiceError
+
+AGENT = "agent"
+"""The node agent's service name: the Prolog starts it, the Epilog stops it before the proxies."""
 
 
 @dataclass(frozen=True)
@@ -27,16 +30,24 @@ class ServiceSpec:
     ready_path: Path | None = None  # the service is ready once this exists (e.g. its socket)
 
 
+def stat_fields(stat: str) -> list[str]:
+    """The fields of a /proc/PID/stat text after comm: state first, then ppid, pgrp, ... (comm, field
+    2, may hold spaces and parentheses: the split is after the last ')')."""
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def ended(state: str) -> bool:
+    """A process in this state has ended: a zombie not yet reaped by its parent, or dead."""
+    return state in {"Z", "X"}
+
+
 def proc_start_time(pid: int) -> int | None:
     """Start time of `pid` in clock ticks since boot, or None when there is no such process."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat_fields(Path(f"/proc/{pid}/stat").read_text())
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(")") + 2:].split()
-    state = fields[0]
-    if state in {"Z", "X"}:
+    if ended(fields[0]):
         return None
     return int(fields[19])
 
@@ -108,13 +119,36 @@ def start(spec: ServiceSpec, run_dir: Path, env: dict[str, str] | None = None,
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. Members that ended but are not reaped yet do not
+    count: a service's parent is init, which may reap only every second or two."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return group_has_live_member(pgid, _proc_stats())
+
+
+def group_has_live_member(pgid: int, stats: Iterable[str]) -> bool:
+    """Whether one of these /proc/PID/stat texts is of a process of group `pgid` that has not ended."""
+    for stat in stats:
+        try:
+            fields = stat_fields(stat)
+            if int(fields[2]) == pgid and not ended(fields[0]):
+                return True
+        except (ValueError, IndexError):
+            continue
+    return False
+
+
+def _proc_stats() -> Iterator[str]:
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                yield Path(entry.path, "stat").read_text()
+            except OSError:
+                continue  # it exited meanwhile
 
 
 def _orphaned_group(run_dir: Path, name: str) -> int | None:
@@ -135,29 +169,36 @@ def _orphaned_group(run_dir: Path, name: str) -> int | None:
 
 def stop(run_dir: Path, name: str, timeout: float = 5.0) -> bool:
     """SIGTERM the service's process group, SIGKILL what is left after `timeout`; False if not running."""
-    pidfile = pidfile_path(run_dir, name)
-    pid = running_pid(run_dir, name) or _orphaned_group(run_dir, name)
-    if pid is None:
-        pidfile.unlink(missing_ok=True)
-        return False
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + timeout
-    while _group_alive(pid) and time.monotonic() < deadline:
-        _reap(pid)
-        time.sleep(0.02)
-    if _group_alive(pid):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        while _group_alive(pid) and time.monotonic() < deadline + 5:
-            _reap(pid)
-            time.sleep(0.02)
-    pidfile.unlink(missing_ok=True)
-    return True
+    return bool(_stop_each(run_dir, [name], timeout))
+
+
+def _stop_each(run_dir: Path, names: Iterable[str], timeout: float) -> list[str]:
+    """Stop these services together: SIGTERM every group, wait for all of them (at most `timeout`),
+    SIGKILL what is left. Returns the names that were running."""
+    groups = {}
+    for name in names:
+        pid = running_pid(run_dir, name) or _orphaned_group(run_dir, name)
+        if pid is None:
+            pidfile_path(run_dir, name).unlink(missing_ok=True)
+        else:
+            groups[name] = pid
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        for pid in groups.values():
+            if _group_alive(pid):
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + wait
+        while any(_group_alive(pid) for pid in groups.values()) and time.monotonic() < deadline:
+            for pid in groups.values():
+                _reap(pid)
+            time.sleep(0.05)
+        if not any(_group_alive(pid) for pid in groups.values()):
+            break
+    for name in groups:
+        pidfile_path(run_dir, name).unlink(missing_ok=True)
+    return list(groups)
 
 
 def _reap(pid: int) -> None:
@@ -168,10 +209,10 @@ def _reap(pid: int) -> None:
         pass
 
 
-def stop_all(run_dir: Path, timeout: float = 5.0) -> list[str]:
-    """Stop every service with a pid file in run_dir; returns the names that were running."""
-    stopped = []
-    for pidfile in sorted(run_dir.glob("*.pid")):
-        if stop(run_dir, pidfile.stem, timeout):
-            stopped.append(pidfile.stem)
-    return stopped
+def stop_all(run_dir: Path, timeout: float = 5.0, first: Sequence[str] = ()) -> list[str]:
+    """Stop every service with a pid file in run_dir: those named in `first` (that are there), then
+    all the others together. Returns the names that were running, in that order."""
+    names = [pidfile.stem for pidfile in sorted(run_dir.glob("*.pid"))]
+    early = [name for name in first if name in names]
+    return (_stop_each(run_dir, early, timeout)
+            + _stop_each(run_dir, [name for name in names if name not in early], timeout))

@@ -25,7 +25,7 @@ from singularity_slurm.node import services
 from singularity_slurm.nodelog import node_logger
 from singularity_slurm.slurmcli import SlurmClient
 
-AGENT = "agent"
+AGENT = services.AGENT
 PROXY = "proxy-"
 
 

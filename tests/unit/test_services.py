@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from singularity_slurm.errors import ServiceError
+from singularity_slurm.node import services
 from singularity_slurm.node.services import (
     ServiceSpec,
+    group_has_live_member,
     pidfile_path,
     proc_start_time,
     read_pidfile,
@@ -306,6 +309,48 @@ def test_stop_all_stops_every_running_service_and_clears_stale_pid_files(run_dir
 
     assert [p for p in pids if alive(p)] == []
     assert list(run_dir.glob("*.pid")) == []
+
+
+def test_stop_all_stops_the_named_first_then_the_rest_together(run_dir: Path) -> None:
+    for name in ("agent", "proxy-gpu0", "proxy-gpu1"):
+        start(ServiceSpec(name, ["sleep", "60"]), run_dir)
+
+    assert stop_all(run_dir, first=["agent", "absent"]) == ["agent", "proxy-gpu0", "proxy-gpu1"]
+    assert list(run_dir.glob("*.pid")) == []
+
+
+def test_a_group_whose_members_ended_but_are_not_reaped_has_ended() -> None:
+    """A service's parent is init, which may take a second or two to reap it: its zombie must not
+    make a stop wait."""
+    zombie = "4242 (sleep) Z 1 4242 4242 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 777 0 0"
+    live = "4243 (py thon (x)) S 1 4242 4242 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 778 0 0"
+    stranger = "4244 (sleep) S 1 99 99 0 -1 4194560 0 0 0 0 0 0 0 0 20 0 1 0 779 0 0"
+
+    assert group_has_live_member(4242, [zombie, stranger]) is False
+    assert group_has_live_member(4242, [zombie, live]) is True
+    assert group_has_live_member(4242, ["garbage", zombie]) is False
+
+
+def test_a_real_unreaped_zombie_leader_does_not_count_as_running(tmp_path: Path) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+                               "print(p.pid, flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert services._group_alive(child)
+        os.kill(child, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+
+        assert services._group_alive(child) is False
+        assert proc_start_time(child) is None
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_stop_all_of_an_empty_folder_stops_nothing(run_dir: Path) -> None:
