@@ -191,6 +191,7 @@ class AgentState:
 
     def op_start(self, request: dict) -> dict:
         engine = self._need_engine()
+        cgroups = self._job_cgroups()
         engine.use_rank(request.get("rank", 0))
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
@@ -203,7 +204,6 @@ class AgentState:
             request = {**request, "env": {**(request.get("env") or {}), **extra}}
         spec = engine.tree_spec(request, self.job_uid, self.job_id)
         self.run_key = _run_key(request)
-        cgroups = self._job_cgroups()
         engine.begin(self.job_id)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
@@ -216,6 +216,7 @@ class AgentState:
 
     def op_restore(self, request: dict) -> dict:
         engine = self._need_engine()
+        cgroups = self._job_cgroups()
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
@@ -224,19 +225,26 @@ class AgentState:
             self._configure_proxies(request.get("proxy"))
             self.run_key = _run_key(request)
             result = engine.restore(self.job_id, self.job_uid, request.get("generation"), self.run_key,
-                                    cgroups=self._job_cgroups())
+                                    cgroups=cgroups)
             self.init_pid = result["init_pid"]
             self._running(result.pop("waiter"))
         LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])
         return result
 
     def _job_cgroups(self) -> list[Path]:
-        """The job's extern step cgroups, from the caller's (a process of a step of the job here)."""
+        """The job's extern step cgroups, from the caller's (a process of a step of the job here).
+
+        A caller outside every step of the job, where the job has an extern step on this node, is
+        refused: what it started would escape Slurm's limits and cleanup."""
         pid = getattr(_CALL, "peer_pid", None)
         found = jobcgroup.targets_of(pid, self.job_id) if pid else []
         if found:
             self.cgroups = found
         elif not self.cgroups:
+            if pid and jobcgroup.extern_steps(self.job_id):
+                raise rpc.Forbidden(f"job {self.job_id}: a start or restore must come from a step of the job "
+                                   f"on {self.node} (the caller, pid {pid}, is in none): run "
+                                   "`singularityctl run` in the batch script or in an srun step")
             LOG.warning("job %s node %s: no extern step cgroup of the job found from pid %s; its processes "
                         "are not contained (configure ProctrackType=proctrack/cgroup and "
                         "PrologFlags=Contain)", self.job_id, self.node, pid)

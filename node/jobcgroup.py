@@ -12,7 +12,8 @@ job on this node) is in a step of the job; the kernel says where (/proc/PID/cgro
 SO_PEERCRED gave). Only a path with this job's `job_<id>` component counts, and the tree goes to
 that job's `step_extern` beside it (cgroup v1: in every hierarchy Slurm made one in; cgroup v2: its
 leaf under `user/`). Nothing is created in Slurm's hierarchy: without an extern step there is no
-containment (and `singularityctl admin check` says how to configure it).
+containment (and `singularityctl admin check` says how to configure it). Where the job has an extern
+step on the node, a start or restore from a process in none of the job's steps is refused.
 """
 
 from __future__ import annotations
@@ -120,6 +121,23 @@ def targets_of(pid: int, job_id: int) -> list[Path]:
     except OSError:
         return []
     return extern_targets(proc_cgroup, mountinfo, job_id)
+
+
+def extern_steps(job_id: int, mounts: list[Mount] | None = None) -> list[Path]:
+    """The job's extern step folders on this node, in every cgroup hierarchy. Slurm makes them at
+    most three levels below a hierarchy's root (v1: slurm[_<node>]/uid_<uid>/job_<id>; v2:
+    system.slice/slurmstepd[_<node>].scope/job_<id>)."""
+    if mounts is None:
+        try:
+            mounts = cgroup_mounts(Path("/proc/self/mountinfo").read_text())
+        except OSError:
+            return []
+    found = []
+    for mount in mounts:
+        for depth in range(4):
+            pattern = "/".join(["*"] * depth + [f"job_{int(job_id)}", "step_extern"])
+            found.extend(path for path in sorted(mount.point.glob(pattern)) if path.is_dir())
+    return found
 
 
 def procs_files(targets: Iterable[Path]) -> list[str]:

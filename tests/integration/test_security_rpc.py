@@ -2,9 +2,9 @@
 
 Another user (the dev cluster's second job user) may connect (the socket is open to all; SO_PEERCRED
 decides) but every op is refused with a typed error and the job runs on untouched. The job's own user
-cannot make the agent read or allocate an oversized request, nor take its threads with held
-connections: root is still served, the launcher is served within the connection cap, and the job
-finishes.
+cannot make the agent read or allocate an oversized request, nor start or restore a tree from outside
+the job's steps (past its cgroups), nor take its threads with held connections: root is still
+served, the launcher is served within the connection cap, and the job finishes.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def test_another_user_is_refused_every_op_with_a_typed_error_and_the_job_is_unto
     _finish(jobs, job_id)
 
 
-def test_oversized_requests_are_refused_unread_and_the_agent_serves_on(jobs, config, job_user):
+def test_oversized_requests_and_starts_from_outside_the_job_are_refused_and_the_agent_serves_on(
+        jobs, config, job_user):
     job_id, sock, agent_pid = _start(jobs, config)
     rss_before = _proc_status(agent_pid, "VmRSS")
 
@@ -184,6 +185,18 @@ def test_oversized_requests_are_refused_unread_and_the_agent_serves_on(jobs, con
     ping = run_as(job_user.pw_name, [PYTHON, "-c", "import sys; from singularity_slurm import rpc; "
                                      "print(rpc.call(sys.argv[1], {'op': 'ping'})['ok'])", str(sock)])
     assert ping.stdout.strip() == "True", ping.stderr
+
+    # The job's user, from a process in none of the job's steps (a login on the node), may not have
+    # the agent start or restore a tree: it would run outside the job's cgroups, past Slurm's limits
+    # and cleanup. Refused before anything is looked at.
+    ops = [{"op": "start", "argv": ["/bin/sh", "-c", "sleep 600"], "cwd": "/tmp", "env": {}},
+           {"op": "restore"}]
+    proc = run_as(job_user.pw_name, [PYTHON, "-c", TRY_OPS, str(sock), json.dumps(ops)])
+    assert proc.returncode == 0, proc.stderr
+    for op, (name, kind, message) in json.loads(proc.stdout).items():
+        assert (name, kind) == ("Forbidden", "forbidden"), (op, message)
+        assert f"job {job_id}: a start or restore must come from a step of the job" in message, message
+    assert rpc.call(sock, {"op": "status"})["state"] == "running"
     _still_ticking(jobs)
     _finish(jobs, job_id)
 

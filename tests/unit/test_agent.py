@@ -21,6 +21,7 @@ import pytest
 
 from singularity_slurm import rpc
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
+from singularity_slurm.node import jobcgroup
 from singularity_slurm.node.agent import (
     MAX_REQUEST,
     AgentState,
@@ -424,6 +425,28 @@ def test_start_with_a_placement_on_a_node_without_proxies_says_so(tmp_path: Path
     assert reply == {"ok": False, "error": "the placement gives no rank to n9's proxies (none)",
                      "kind": "refused"}
     assert engine.trees == []
+
+
+def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job_has_an_extern_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    extern = tmp_path / "freezer" / "slurm_n9" / f"uid_{JOB_UID}" / "job_7" / "step_extern"
+    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [])  # a login shell's cgroups
+    monkeypatch.setattr(jobcgroup, "extern_steps", lambda job_id: [extern])
+    engine = RecordingEngine()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
+
+    for request in (START, {"op": "restore"}):
+        reply = state.handle(request, JOB_UID, peer_pid=4242)
+        assert reply == {"ok": False, "kind": "forbidden", "error": (
+            "job 7: a start or restore must come from a step of the job on n9 (the caller, pid 4242, is "
+            "in none): run `singularityctl run` in the batch script or in an srun step")}
+    assert engine.requests == [] and engine.trees == [] and engine.ranks == []
+
+    # a caller in a step of the job shows the cgroups; later callers from outside get them too
+    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [extern] if pid == 1 else [])
+    assert state.handle(START, JOB_UID, peer_pid=1)["ok"]
+    assert state.cgroups == [extern]
+    engine.trees[0].kill()
 
 
 @pytest.fixture

@@ -72,6 +72,18 @@ def test_without_an_extern_step_there_is_no_target() -> None:
     assert jobcgroup.extern_targets(LAUNCHER_V1, HYBRID_MOUNTINFO, 57, is_dir=lambda path: False) == []
 
 
+def test_the_jobs_extern_steps_are_found_in_every_hierarchy_and_no_other_jobs(tmp_path: Path) -> None:
+    v1 = tmp_path / "freezer" / "slurm_n1" / "uid_1000" / "job_57" / "step_extern"
+    v2 = tmp_path / "v2" / "system.slice" / "slurmstepd.scope" / "job_57" / "step_extern"
+    for folder in (v1, v2, tmp_path / "freezer" / "slurm_n1" / "uid_1000" / "job_570" / "step_extern",
+                   tmp_path / "freezer" / "slurm_n1" / "uid_1000" / "job_57" / "step_batch"):
+        folder.mkdir(parents=True)
+    mounts = [jobcgroup.Mount(tmp_path / "freezer", "/", frozenset({"freezer"}), False),
+              jobcgroup.Mount(tmp_path / "v2", "/", frozenset(), True)]
+    assert jobcgroup.extern_steps(57, mounts) == [v1, v2]
+    assert jobcgroup.extern_steps(58, mounts) == []
+
+
 def test_mount_points_and_controllers_are_read_from_mountinfo() -> None:
     mounts = {m.point: (m.controllers, m.v2) for m in jobcgroup.cgroup_mounts(HYBRID_MOUNTINFO)}
     assert mounts[Path("/sys/fs/cgroup/freezer")] == (frozenset({"freezer"}), False)
