@@ -236,3 +236,45 @@ def ctl_json(*args: str, user: str | None = None) -> object:
     proc = run_as(user, argv) if user else subprocess.run(argv, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+# --- what a failure report carries ----------------------------------------------------------------
+
+NODE_LOG_DIR = Path("/var/log/singularity-slurm")
+TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries its jobs' output files and the node-log lines about its jobs:
+    CI keeps nothing else of the cluster."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for name in ("jobs", "other_jobs"):
+        jobs = item.funcargs.get(name)
+        if isinstance(jobs, Jobs):
+            for section, text in _failure_context(jobs):
+                report.sections.append((section, text))
+
+
+def _failure_context(jobs: Jobs) -> list[tuple[str, str]]:
+    sections = []
+    for path in sorted(jobs.workdir.rglob("*")):
+        if path.is_file() and path.suffix in (".out", ".log") and path.stat().st_size:
+            text = _tail(path.read_text(errors="replace"))
+            sections.append((f"job file {path.relative_to(jobs.workdir)}", text))
+    marks = tuple(f" job={job_id} " for job_id in jobs.ids)
+    for log in sorted(NODE_LOG_DIR.glob("node-*.log")) if marks else ():
+        lines = [line for line in log.read_text(errors="replace").splitlines()
+                 if any(m in line for m in marks)]
+        if lines:
+            sections.append((f"node log {log.name} (jobs {jobs.ids})", _tail("\n".join(lines))))
+    return sections
+
+
+def _tail(text: str) -> str:
+    lines = text.splitlines()
+    return "\n".join(([f"... ({len(lines) - TAIL_LINES} lines before)"] if len(lines) > TAIL_LINES else [])
+                     + lines[-TAIL_LINES:])
