@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,8 +21,6 @@ from conftest import CTL
 
 from singularity_slurm import interpose
 from singularity_slurm.devcluster.cluster import SPARE_REASON
-from singularity_slurm.jobenv import job_run_dir
-from singularity_slurm.node import services
 from singularity_slurm.proxy.daemon import Proxy
 from singularity_slurm.proxy.hal import HostBackend
 from singularity_slurm.proxy.rendezvous import MemoryRendezvous
@@ -221,28 +218,6 @@ def test_two_stage_pipeline_under_python_m_torch_distributed_run_survives_checkp
     jobs.wait_state(job_id, "COMPLETED", timeout=240)
     for rank in range(2):
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
-
-
-def test_a_killed_proxy_requeues_the_job_from_its_last_checkpoint(jobs, config):
-    copy_example(jobs, "train_ddp.py")
-    job_id = jobs.submit(jobs.script("kill.sh", job_script(
-        "basic", "#SBATCH --gres=gpu:2", 2, "train_ddp.py --steps 400 --sleep 0.1",
-        options="--checkpoint-interval 0.1")))
-    wait_for_text(jobs, job_id, "periodic checkpoint", 1, timeout=180)
-    node = jobs.record(job_id)["NodeList"]
-    run_dir = job_run_dir(config.paths.state_dir, node, job_id)
-    name = sorted(p.stem for p in run_dir.glob("proxy-*.pid"))[0]
-    pid = services.running_pid(run_dir, name)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-
-    wait_for_text(jobs, job_id, "died; requeueing the job")
-    wait_for_text(jobs, job_id, "restored checkpoint")
-    record = jobs.wait_state(job_id, "COMPLETED", timeout=400)
-    assert record["Restarts"] == "1"
-    for rank in range(2):
-        lines = (jobs.workdir / "logs" / f"{rank}.log").read_text().splitlines()
-        assert lines[-1].startswith("399 ")
 
 
 COLLECTIVES_JOB = """#!/bin/bash

@@ -1,9 +1,9 @@
 """Faults never lose a committed checkpoint, never strand a job, and leave none of its processes
 running outside its cgroup. One training job has its node agent killed (from outside while it simply
 runs, and by fault points during a dump, during the store write, and between a commit and the
-requeue) and a restore fail; a distributed job has a device proxy killed during its cut, Redis gone
-during its rendezvous and slurmctld gone during its requeue. Each resumes every time from its newest
-committed checkpoint and completes with the reference log.
+requeue) and a restore fail; a distributed job has a device proxy killed while it runs and during
+its cut, Redis gone during its rendezvous and slurmctld gone during its requeue. Each resumes every
+time from its newest committed checkpoint and completes with the reference log.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from test_checkpoint_restore import (
 from singularity_slurm import faults
 from singularity_slurm.jobenv import job_run_dir
 from singularity_slurm.node import services
+from singularity_slurm.node.release import release_when_pending
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +95,29 @@ def keep_log(jobs, tmp_path):
         shutil.copytree(jobs.workdir / "logs", tmp_path / "logs", dirs_exist_ok=True)
 
 
-def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log, job_user, config, keep_log):
+EARLY_RESTARTS = 7
+"""The job's restarts before it trains: its checkpoints of restart 7 and 10 sort the wrong way as text."""
+
+
+def requeue_ended(jobs, slurm, job_id: int, times: int) -> None:
+    """As an admin would: requeue the ended job (`scontrol requeue`), `times` times over."""
+    for restart in range(times):
+        ended = {"JobState": "COMPLETED", "Restarts": str(restart)}
+        jobs.wait(job_id, lambda r, ended=ended: ended.items() <= r.items(), f"ended at restart {restart}")
+        subprocess.run(["scontrol", "requeue", str(job_id)], check=True, capture_output=True)
+        assert release_when_pending(slurm, job_id, restart), "the requeued job did not come back"
+
+
+def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log, job_user, config, slurm,
+                                                           keep_log):
+    """From its 7th restart on (a job at restart >= 10 restores its newest checkpoint, by generation)."""
     shutil.copy(EXAMPLE, jobs.workdir)
     shutil.chown(jobs.workdir / "train_reference.py", jobs.user)
-    job_id = jobs.submit(jobs.script("train.sh", TRAIN.format(options="", sleep=0.15)))
+    # The job ends at once until it has been requeued EARLY_RESTARTS times.
+    script = TRAIN.format(options="", sleep=0.15).replace(
+        f"{CTL} run", f'[ "${{SLURM_RESTART_COUNT:-0}}" -ge {EARLY_RESTARTS} ] || exit 0\n{CTL} run')
+    job_id = jobs.submit(jobs.script("train.sh", script))
+    requeue_ended(jobs, slurm, job_id, EARLY_RESTARTS)
     log = jobs.wait_for_file("train.out")
     for step in ("step 20 ", "step 40 "):  # two checkpoints: the second one's restore will fail once
         _wait_for_text(jobs, job_id, log, step)
@@ -140,9 +160,11 @@ def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log,
     assert "refused: a fault was injected at restore" in text
     assert "restored checkpoint 1 " in text  # the fallback from the refused checkpoint 2
     # the dump that committed before the agent died (checkpoint 3) is the one the last start restored
+    # (taken at restart 10; checkpoints 1 and 2 at restart 7)
     last = text.rsplit("restored checkpoint ", 1)
     assert last[1].startswith("3 "), "\n".join(line for line in text.splitlines()
                                                 if line.startswith(("[singularity]", "slurmstepd")))
+    assert f"restart {EARLY_RESTARTS + 4}: restoring the last checkpoint" in text
     assert_resumed_exactly(reference_log, training_log(text))
     assert not training_pids(), "processes of the job outlived it"
     assert len(reference_log.splitlines()) == STEPS + 1
@@ -156,7 +178,7 @@ def disarm(config):
         path.unlink(missing_ok=True)
 
 
-def test_a_distributed_job_outlasts_a_proxy_killed_at_its_cut_redis_at_its_rendezvous_and_slurmctld(
+def test_a_distributed_job_outlasts_killed_proxies_redis_gone_at_its_rendezvous_and_slurmctld(
         jobs, config, job_user, tmp_path, keep_log):
     from test_distributed import copy_example, job_script, logged_steps, reference_logs, wait_for_steps
 
@@ -164,7 +186,9 @@ def test_a_distributed_job_outlasts_a_proxy_killed_at_its_cut_redis_at_its_rende
     from singularity_slurm.devcluster.cluster import daemon_table, default_layout
 
     table = {d.name: d for d in daemon_table(default_layout())}
-    args = ["--steps", "200", "--hidden", "64"]  # long enough for every disturbance to find it running
+    # Long enough for every disturbance to find it running: each restore goes back to a checkpoint
+    # taken within its first 30 steps.
+    args = ["--steps", "100", "--hidden", "64"]
     reference = reference_logs(tmp_path, "train_ddp.py", args, world=2, per_proxy=1)
     copy_example(jobs, "train_ddp.py")
     job_id = jobs.submit(jobs.script("ddp.sh", job_script(
@@ -175,11 +199,22 @@ def test_a_distributed_job_outlasts_a_proxy_killed_at_its_cut_redis_at_its_rende
     checkpoint = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
     assert checkpoint.returncode == 0, checkpoint.stderr
 
+    # A device proxy is killed while the job simply runs: the job is requeued and resumes from its
+    # checkpoint.
+    run_dir = job_run_dir(config.paths.state_dir, node, job_id)
+    proxy = services.running_pid(run_dir, sorted(p.stem for p in run_dir.glob("proxy-*.pid"))[0])
+    assert proxy is not None, f"no device proxy of job {job_id} on {node}"
+    os.kill(proxy, signal.SIGKILL)
+    jobs.wait(job_id, lambda r: "restored checkpoint" in out.read_text(), "restored", timeout=240)
+    assert "died; requeueing the job to resume from its last checkpoint" in out.read_text()
+    wait_for_steps(jobs, job_id, 2, 10)
+    node = jobs.record(job_id)["BatchHost"]
+
     # A device proxy dies during the distributed cut of a preemption: the job resumes from the
     # checkpoint before.
     faults.arm(config, "cut", "kill", node=node)
     first = jobs.submit(jobs.script("urgent-cut.sh", URGENT), f"--nodelist={node}")
-    jobs.wait(job_id, lambda r: "restored checkpoint" in out.read_text(), "restored", timeout=240)
+    jobs.wait(job_id, lambda r: out.read_text().count("restored checkpoint") == 2, "restored", timeout=240)
     assert "checkpoint failed: " in out.read_text()
     jobs.wait_state(first, "COMPLETED", timeout=240)
     wait_for_steps(jobs, job_id, 2, 12)
