@@ -111,16 +111,6 @@ def test_after_a_periodic_checkpoint_a_killed_job_resumes_from_it_even_without_r
     assert f"step {first} " in text.split("restored checkpoint", 1)[0]
 
 
-def test_checkpoint_command_keeps_the_job_running(jobs, reference_log, job_user):
-    job_id, log = _start_training(jobs)
-    proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
-    assert proc.returncode == 0, proc.stderr
-    assert re.search(r"checkpoint \d+ committed in [\d.]+s", proc.stdout)
-    assert jobs.record(job_id)["JobState"] == "RUNNING"
-    jobs.wait_state(job_id, "COMPLETED", timeout=180)
-    assert training_log(log.read_text()) == reference_log
-
-
 def test_migrate_of_a_nonexistent_job_fails_clearly(job_user):
     proc = run_as(job_user.pw_name, [CTL, "migrate", "999999"])
     assert proc.returncode == 1
@@ -191,19 +181,27 @@ def test_a_file_written_in_tmp_travels_with_a_migration(jobs, job_user):
     shutil.rmtree(scratch.parent)
 
 
-def test_the_second_checkpoint_stores_at_most_a_quarter_of_the_first(jobs, job_user):
+def test_checkpoints_keep_the_job_running_and_the_second_stores_at_most_a_quarter_of_the_first(
+        jobs, job_user, reference_log):
     # Two checkpoints 150 steps apart once the job trains steadily, as periodic checkpoints are.
     job_id, log = _start_training(jobs, sleep=0.1)
     sizes = []
-    for step in ("step 100 ", "step 250 "):
+    for step in ("step 60 ", "step 210 "):
         _wait_for_text(jobs, job_id, log, step)
         proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id), "--json"])
         assert proc.returncode == 0, proc.stderr
         sizes.append(json.loads(proc.stdout))
+        assert jobs.record(job_id)["JobState"] == "RUNNING"
     first, second = sizes
     assert second["seq"] == first["seq"] + 1
     assert second["logical_bytes"] > 100 << 20  # a whole PyTorch process tree, not a stub
     assert second["new_bytes"] <= 0.25 * first["new_bytes"], sizes
+    _wait_for_text(jobs, job_id, log, "step 240 ")
+    plain = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+    assert plain.returncode == 0, plain.stderr
+    assert re.search(r"checkpoint \d+ committed in [\d.]+s", plain.stdout)
+    jobs.wait_state(job_id, "COMPLETED", timeout=180)
+    assert training_log(log.read_text()) == reference_log
 
 
 def _checkpoint(job_id: int, user: str) -> dict:

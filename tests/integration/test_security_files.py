@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -97,25 +98,35 @@ print("done", flush=True)
 """
 
 
-@pytest.mark.parametrize("kind", ["symlink", "fifo", "dev_zero"])
-def test_a_file_log_swapped_for_a_root_file_fifo_or_dev_zero_is_refused(jobs, job_user, victims, kind):
+# One job per kind of swap, side by side (a device each).
+LOG_SWAP_JOB = JOB.replace("--gres=gpu:4", "--gres=gpu:1").replace("-o job.out", "-o {kind}.out")
+
+
+def test_a_file_log_swapped_for_a_root_file_fifo_or_dev_zero_is_refused(jobs, job_user, victims):
     jobs.script("job.py", LOG_SWAP)
-    job_id = jobs.submit(jobs.script("job.sh", JOB.format(args=f"{kind} {victims['root']}")))
-    log = jobs.wait_for_file("job.out")
-    _wait_text(jobs, job_id, log, "swapped")
+    ids = {kind: jobs.submit(jobs.script(f"{kind}.sh", LOG_SWAP_JOB.format(
+        kind=kind, args=f"{kind} {victims['root']}"))) for kind in ("symlink", "fifo", "dev_zero")}
+    logs = {kind: jobs.wait_for_file(f"{kind}.out") for kind in ids}
+    for kind, job_id in ids.items():
+        _wait_text(jobs, job_id, logs[kind], "swapped")
 
     started = time.monotonic()
-    proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
-    assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - started < 45, "the checkpoint blocked on the file-log"
-    _agent_answers(job_id, job_user.pw_name)
-    jobs.wait_state(job_id, "COMPLETED", timeout=120)
-
-    text = log.read_text()
-    assert "done" in text
-    assert "[singularity] checkpoint " in text and "files.log is a " in text, text
-    assert "ROOT-SECRET" not in text
-    shutil.rmtree(f"/tmp/sec-job-{job_id}", ignore_errors=True)
+    checkpoints = {kind: subprocess.Popen(["runuser", "-u", job_user.pw_name, "--", CTL, "checkpoint",
+                                           str(job_id)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True) for kind, job_id in ids.items()}
+    for kind, proc in checkpoints.items():
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, (kind, out, err)
+    assert time.monotonic() - started < 45, "a checkpoint blocked on the file-log"
+    for job_id in ids.values():
+        _agent_answers(job_id, job_user.pw_name)
+    for kind, job_id in ids.items():
+        jobs.wait_state(job_id, "COMPLETED", timeout=120)
+        text = logs[kind].read_text()
+        assert "done" in text, kind
+        assert "[singularity] checkpoint " in text and "files.log is a " in text, (kind, text)
+        assert "ROOT-SECRET" not in text, kind
+        shutil.rmtree(f"/tmp/sec-job-{job_id}", ignore_errors=True)
 
 
 TRACKED = """
