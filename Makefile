@@ -33,9 +33,10 @@ unit: install
 integration: devcluster
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
+# Unit and integration tests side by side: the integration tests keep to one worker (tests/conftest.py).
 test: devcluster
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 demo: devcluster
 	$(PY) examples/demo.py
