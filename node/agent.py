@@ -235,16 +235,17 @@ class AgentState:
         """The job's extern step cgroups, from the caller's (a process of a step of the job here).
 
         A caller outside every step of the job, where the job has an extern step on this node, is
-        refused: what it started would escape Slurm's limits and cleanup."""
+        refused: what it started would not be the job's own tree."""
         pid = getattr(_CALL, "peer_pid", None)
         found = jobcgroup.targets_of(pid, self.job_id) if pid else []
         if found:
             self.cgroups = found
-        elif not self.cgroups:
-            if pid and jobcgroup.extern_steps(self.job_id):
-                raise rpc.Forbidden(f"job {self.job_id}: a start or restore must come from a step of the job "
-                                   f"on {self.node} (the caller, pid {pid}, is in none): run "
-                                   "`singularityctl run` in the batch script or in an srun step")
+            return found
+        if pid and jobcgroup.extern_steps(self.job_id):
+            raise rpc.Forbidden(f"job {self.job_id}: a start or restore must come from a step of the job "
+                                f"on {self.node} (the caller, pid {pid}, is in none): run "
+                                "`singularityctl run` in the batch script or in an srun step")
+        if not self.cgroups:
             LOG.warning("job %s node %s: no extern step cgroup of the job found from pid %s; its processes "
                         "are not contained (configure ProctrackType=proctrack/cgroup and "
                         "PrologFlags=Contain)", self.job_id, self.node, pid)

@@ -442,11 +442,12 @@ def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job
             "in none): run `singularityctl run` in the batch script or in an srun step")}
     assert engine.requests == [] and engine.trees == [] and engine.ranks == []
 
-    # a caller in a step of the job shows the cgroups; later callers from outside get them too
+    # a caller in a step of the job is served; one from outside still is not
     monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [extern] if pid == 1 else [])
     assert state.handle(START, JOB_UID, peer_pid=1)["ok"]
     assert state.cgroups == [extern]
     engine.trees[0].kill()
+    assert state.handle({"op": "restore"}, JOB_UID, peer_pid=4242)["kind"] == "forbidden"
 
 
 @pytest.fixture
