@@ -33,10 +33,16 @@ unit: install
 integration: devcluster
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
-# Unit and integration tests side by side: the integration tests keep to one worker (tests/conftest.py).
+# The unit tests (no cluster) run beside the integration tests, which share the cluster one at a
+# time; their report follows the integration tests', and both must pass.
 test: devcluster
 	$(PY) -m ruff check .
-	$(PY) -m pytest tests -n 2 --dist loadgroup $(PYTEST_ARGS)
+	@unit_log=$$(mktemp) && \
+	{ $(PY) -m pytest tests/unit $(PYTEST_ARGS) >$$unit_log 2>&1 & unit=$$!; } && \
+	{ $(PY) -m pytest tests/integration $(PYTEST_ARGS); integration=$$?; } ; \
+	wait $$unit; unit_status=$$?; \
+	echo "=== unit tests (run beside the integration tests) ==="; cat $$unit_log; rm -f $$unit_log; \
+	test $$integration -eq 0 && test $$unit_status -eq 0
 
 demo: devcluster
 	$(PY) examples/demo.py
