@@ -241,7 +241,7 @@ class AgentState:
         if found:
             self.cgroups = found
             return found
-        if pid and jobcgroup.extern_steps(self.job_id):
+        if pid and not jobcgroup.caller_in_a_step(pid, self.job_id) and jobcgroup.extern_steps(self.job_id):
             raise rpc.Forbidden(f"job {self.job_id}: a start or restore must come from a step of the job "
                                 f"on {self.node} (the caller, pid {pid}, is in none): run "
                                 "`singularityctl run` in the batch script or in an srun step")

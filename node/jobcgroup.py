@@ -12,8 +12,10 @@ job on this node) is in a step of the job; the kernel says where (/proc/PID/cgro
 SO_PEERCRED gave). Only a path with this job's `job_<id>` component counts, and the tree goes to
 that job's `step_extern` beside it (cgroup v1: in every hierarchy Slurm made one in; cgroup v2: its
 leaf under `user/`). Nothing is created in Slurm's hierarchy: without an extern step there is no
-containment (and `singularityctl admin check` says how to configure it). Where the job has an extern
-step on the node, a start or restore from a process in none of the job's steps is refused.
+containment (and `singularityctl admin check` says how to configure it). A start or restore from a
+process in none of the job's steps is refused where the job has an extern step. (A step of the job
+may find no extern step on its node: Slurm 22.05 runs neither the Prolog nor the extern step on a
+node a requeued job comes back to within the credential lifetime; that tree is not contained.)
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def extern_targets(proc_cgroup: str, mountinfo: str, job_id: int,
                    listdir: Callable[[Path], list[str]] = os.listdir) -> list[Path]:
     """The folders of the job's extern step that a process of the job's (whose /proc/PID/cgroup is
     `proc_cgroup`) points to, one per hierarchy that has one."""
-    step = re.compile(rf"(?P<base>(?:/[^/]+)*?/job_{int(job_id)})/step_[^/]+(?:/.*)?")
+    step = _step_path(job_id)
     mounts = cgroup_mounts(mountinfo)
     targets = []
     for controllers, path in memberships(proc_cgroup):
@@ -106,6 +108,16 @@ def extern_targets(proc_cgroup: str, mountinfo: str, job_id: int,
     return targets
 
 
+def _step_path(job_id: int) -> re.Pattern[str]:
+    return re.compile(rf"(?P<base>(?:/[^/]+)*?/job_{int(job_id)})/step_[^/]+(?:/.*)?")
+
+
+def in_a_step(proc_cgroup: str, job_id: int) -> bool:
+    """Whether a process (whose /proc/PID/cgroup is `proc_cgroup`) is in a step of the job."""
+    step = _step_path(job_id)
+    return any(step.fullmatch(path) for _, path in memberships(proc_cgroup))
+
+
 def _list(listdir: Callable[[Path], list[str]], path: Path) -> list[str]:
     try:
         return listdir(path)
@@ -121,6 +133,13 @@ def targets_of(pid: int, job_id: int) -> list[Path]:
     except OSError:
         return []
     return extern_targets(proc_cgroup, mountinfo, job_id)
+
+
+def caller_in_a_step(pid: int, job_id: int) -> bool:
+    try:
+        return in_a_step(Path(f"/proc/{pid}/cgroup").read_text(), job_id)
+    except OSError:
+        return False
 
 
 def extern_steps(job_id: int, mounts: list[Mount] | None = None) -> list[Path]:

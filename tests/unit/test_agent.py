@@ -431,6 +431,7 @@ def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     extern = tmp_path / "freezer" / "slurm_n9" / f"uid_{JOB_UID}" / "job_7" / "step_extern"
     monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [])  # a login shell's cgroups
+    monkeypatch.setattr(jobcgroup, "caller_in_a_step", lambda pid, job_id: False)
     monkeypatch.setattr(jobcgroup, "extern_steps", lambda job_id: [extern])
     engine = RecordingEngine()
     state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
@@ -448,6 +449,21 @@ def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job
     assert state.cgroups == [extern]
     engine.trees[0].kill()
     assert state.handle({"op": "restore"}, JOB_UID, peer_pid=4242)["kind"] == "forbidden"
+
+
+def test_a_step_of_the_job_on_a_node_without_its_extern_step_is_served_uncontained(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm skips the Prolog, and with it the extern step, on a node a requeued job comes back to
+    soon; another node of the job (the same host in the dev cluster) may still show one."""
+    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [])
+    monkeypatch.setattr(jobcgroup, "caller_in_a_step", lambda pid, job_id: True)
+    monkeypatch.setattr(jobcgroup, "extern_steps", lambda job_id: [tmp_path / "job_7" / "step_extern"])
+    engine = RecordingEngine()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
+
+    assert state.handle(START, JOB_UID, peer_pid=4242)["ok"]
+    assert state.cgroups == []
+    engine.trees[0].kill()
 
 
 @pytest.fixture

@@ -72,6 +72,13 @@ def test_without_an_extern_step_there_is_no_target() -> None:
     assert jobcgroup.extern_targets(LAUNCHER_V1, HYBRID_MOUNTINFO, 57, is_dir=lambda path: False) == []
 
 
+def test_a_process_is_in_a_step_of_its_job_only() -> None:
+    assert jobcgroup.in_a_step(LAUNCHER_V1, 57)
+    assert jobcgroup.in_a_step(LAUNCHER_V2, 57)
+    assert not jobcgroup.in_a_step(LAUNCHER_V1, 5)
+    assert not jobcgroup.in_a_step("6:freezer:/\n0::/user.slice/user-1000.slice/session-3.scope\n", 57)
+
+
 def test_the_jobs_extern_steps_are_found_in_every_hierarchy_and_no_other_jobs(tmp_path: Path) -> None:
     v1 = tmp_path / "freezer" / "slurm_n1" / "uid_1000" / "job_57" / "step_extern"
     v2 = tmp_path / "v2" / "system.slice" / "slurmstepd.scope" / "job_57" / "step_extern"
