@@ -8,7 +8,8 @@ events. Nothing here sleeps, reads a clock or does I/O, so every transition is a
 
 The job's phases:
 
-    STARTING      -> RUNNING (Started)             | REQUEUEING (StartFailed, or a warning came first)
+    STARTING      -> RUNNING (Started)             | STOPPING (Started, a warning came first)
+                  -> REQUEUEING (StartFailed)
     RUNNING       -> CHECKPOINTING (periodic, manual)
                   -> STOPPING (warning, migrate)   -> REQUEUEING (checkpoint committed or failed)
                   -> FINISHED (the command ended, or Slurm is ending the job and killed it)
@@ -250,10 +251,9 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
 
     if isinstance(event, Started):
         if state.stop_pending:
-            # Nothing new since the checkpoint it came from (or since the beginning): no dump needed.
-            return (replace(state, phase=Phase.REQUEUEING, stop_pending=None),
-                    [Say("preempted while starting: the job resumes from its last checkpoint"), Kill(),
-                     Requeue()])
+            # The tree runs already and may have printed or written something since the checkpoint
+            # it came from: killing it would make the next start do that again. Dump it.
+            return _stop(replace(state, phase=Phase.RUNNING), "preempt", state.stop_pending)
         return replace(state, phase=Phase.RUNNING), []
 
     if isinstance(event, StartFailed):

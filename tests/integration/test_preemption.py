@@ -37,7 +37,8 @@ def _preempt(jobs, *victim_options: str) -> tuple[int, int, str]:
     premium = jobs.submit(jobs.script("premium.sh", PREMIUM))
     jobs.wait_state(premium, "RUNNING", timeout=60)
     record = jobs.wait(victim, lambda r: int(r.get("Restarts", 0)) >= 1, "requeued", timeout=60)
-    assert record["JobState"] in {"PENDING", "REQUEUED", "CONFIGURING", "RUNNING"}
+    # requeued, not ended (COMPLETING: the requeue's Epilog still runs on one of its nodes)
+    assert record["JobState"] in {"COMPLETING", "PENDING", "REQUEUED", "CONFIGURING", "RUNNING"}
     jobs.wait(victim, lambda r: "signal" in log.read_text(), "told of the preemption", 30)
     return victim, premium, log.read_text()
 

@@ -177,7 +177,7 @@ def test_a_premium_job_arriving_at_any_moment_of_the_start_requeues_the_job_whic
         jobs, reference_log):
     """Premium jobs 1, 3 and 10 s after the basic job starts (Prolog, launcher start, training), then
     one while it restores: it is requeued each time and never ends FAILED."""
-    _prepare(jobs, sleep=0.15)  # long enough to be running still after four requeues
+    _prepare(jobs, sleep=0.3)  # long enough to be running still after four requeues
     script = "#!/bin/bash\n" + HEADER.format(name="anytime").replace("gpu:1", "gpu:4") + COMMAND + "\n"
     job_id = _sbatch(jobs, str(jobs.script("anytime.sh", script)))
     log = jobs.workdir / "anytime.out"

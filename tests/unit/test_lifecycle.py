@@ -99,14 +99,17 @@ def test_a_checkpoint_that_fails_at_the_warning_ends_the_tree_and_requeues_anywa
                "checkpoint") in actions
 
 
-def test_a_warning_while_starting_or_restoring_waits_then_requeues_without_a_dump() -> None:
-    state, actions = run(Warning("SIGUSR2"))
-    assert state.phase == Phase.STARTING and state.stop_pending == "SIGUSR2"
-    assert without_says(actions) == []
+def test_a_warning_while_starting_or_restoring_waits_then_checkpoints_what_already_ran() -> None:
+    """The started tree may have printed a step already: killing it would print that step again."""
+    for restored in (True, False):
+        state, actions = run(Warning("SIGUSR2"))
+        assert state.phase == Phase.STARTING and state.stop_pending == "SIGUSR2"
+        assert without_says(actions) == []
 
-    state, actions = run(Started(restored=True), state=state)
-    assert state.phase == Phase.REQUEUEING
-    assert without_says(actions) == [Kill(), Requeue()]
+        state, actions = run(Started(restored=restored), state=state)
+        assert state.phase == Phase.STOPPING and state.stop_pending is None
+        assert without_says(actions) == [Checkpoint("preempt", stop=True)]
+        assert Say("preemption warning (SIGUSR2): checkpointing") in actions
 
 
 def test_a_warning_while_a_start_fails_requeues_once() -> None:
