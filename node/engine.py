@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from singularity_slurm import faults, rootexec
-from singularity_slurm.checkpoint import images
+from singularity_slurm.checkpoint import anondev, images
 from singularity_slurm.checkpoint.criu import (
     Criu,
     RestoreFailed,
@@ -132,6 +132,8 @@ class CheckpointEngine:
         self.keep = keep
         self.rank = 0
         self.restart: int | None = None  # the job's Slurm restart count when the agent started
+        # anonymous device numbers the tree's earlier incarnations mounted (see checkpoint.anondev)
+        self.devices: list[int] = []
 
     def use_rank(self, rank: int) -> None:
         """Keep this node's checkpoints apart from the other nodes' of a multi-node job.
@@ -194,6 +196,7 @@ class CheckpointEngine:
               cgroups: list[Path] | None = None) -> tuple[int, Callable[[], int]]:
         """Start the tree (in the job's `cgroups` before it runs anything); (init pid, waiter)."""
         proc = jobtree.spawn(spec, cgroup_procs=jobcgroup.procs_files(cgroups or []))
+        self.devices = []
         init_pid = jobtree.namespace_init(proc.pid)
         deadline = time.monotonic() + 10
         while not jobtree.user_init_started(init_pid, spec.uid) and proc.poll() is None:
@@ -251,6 +254,7 @@ class CheckpointEngine:
         faults.point(self.config, "dump", self.node)
         self.criu.dump(init_pid, work, leave_running=not stop)
         dumped = time.monotonic()
+        devices = anondev.history(self.devices, anondev.checkpoint_devices(work))
         creds = UserCreds.of_uid(uid)
         copies = work.with_name(work.name + "-local")
         try:
@@ -260,6 +264,7 @@ class CheckpointEngine:
                 "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
                 "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
                 "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
+                "anon_devs": devices,
             }, extra=local.entries, fault=lambda: faults.point(self.config, "store-write", self.node))
         finally:
             shutil.rmtree(copies, ignore_errors=True)
@@ -367,7 +372,10 @@ class CheckpointEngine:
                         f"{problems[0]}{more}")
 
             faults.point(self.config, "restore", self.node)
-            pid = self.criu.restore(image_dir, check=check)
+            devices = anondev.history(manifest.meta.get("anon_devs"), anondev.checkpoint_devices(image_dir))
+            with anondev.reserved(devices, self.config.paths.state_dir / anondev.LOCK_NAME):
+                pid = self.criu.restore(image_dir, check=check)
+            self.devices = devices
         finally:
             shutil.rmtree(work, ignore_errors=True)
         localfiles.tell_job(creds, localfiles.output_of(pid), notices, f"{NOTICE}restore: ")
