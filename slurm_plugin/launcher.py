@@ -40,7 +40,7 @@ from singularity_slurm.config import Config
 from singularity_slurm.coordinator.placement import PlacementError, place
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
-from singularity_slurm.slurmcli import SlurmClient, expand_hostlist
+from singularity_slurm.slurmcli import SlurmClient, draining, expand_hostlist
 
 from . import lifecycle
 
@@ -506,6 +506,21 @@ class Launcher:
         self.events.put(lifecycle.Started(restored))
         threading.Thread(target=self._wait_for_tree, daemon=True).start()
         threading.Thread(target=self._poll_commands, daemon=True).start()
+        if self.config.elastic.drain_poll_s:
+            threading.Thread(target=self._watch_drains, args=(self.config.elastic.drain_poll_s,),
+                             daemon=True).start()
+
+    def _watch_drains(self, interval: float) -> None:
+        """Slurm tells nobody that an admin drains a node: look at the job's nodes now and then."""
+        nodes = self.info.nodes or (self.info.node,)
+        while True:
+            time.sleep(interval)
+            try:
+                found, reason = draining(SlurmClient(timeout=10).nodes(nodes), nodes)
+            except SingularityError:
+                continue  # slurmctld away: look again later
+            if found:
+                self.events.put(lifecycle.NodesDraining(found, reason))
 
     def _poll_commands(self) -> None:
         """Admin requests (checkpoint, migrate) reach the batch host's agent; fetch them."""

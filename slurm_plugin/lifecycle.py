@@ -11,7 +11,8 @@ The job's phases:
     STARTING      -> RUNNING (Started)             | STOPPING (Started, a warning came first)
                   -> REQUEUEING (StartFailed)
     RUNNING       -> CHECKPOINTING (periodic, manual)
-                  -> STOPPING (warning, migrate)   -> REQUEUEING (checkpoint committed or failed)
+                  -> STOPPING (warning, migrate, a node of the job draining)
+                                                   -> REQUEUEING (checkpoint committed or failed)
                   -> FINISHED (the command ended, or Slurm is ending the job and killed it)
                   -> REQUEUEING (killed after a checkpoint, proxy lost)
     CHECKPOINTING -> RUNNING (done or failed)      | STOPPING (a warning arrived meanwhile)
@@ -106,6 +107,17 @@ class Command:
 
 
 @dataclass(frozen=True)
+class NodesDraining:
+    """An admin drains nodes of the job (`scontrol update NodeName=... State=DRAIN`): it leaves them.
+
+    `reason`: the drain's Reason, as Slurm shows it.
+    """
+
+    nodes: tuple[str, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class CheckpointDone:
     summary: dict = field(hash=False, compare=False)
 
@@ -125,8 +137,8 @@ class RequeueFailed:
     error: str
 
 
-Event = (Started | StartFailed | Warning | TreeEnded | AgentLost | PeriodicDue | Command | CheckpointDone
-         | CheckpointFailed | RequeueDone | RequeueFailed)
+Event = (Started | StartFailed | Warning | TreeEnded | AgentLost | PeriodicDue | Command | NodesDraining
+         | CheckpointDone | CheckpointFailed | RequeueDone | RequeueFailed)
 
 
 # --- actions --------------------------------------------------------------------------------------
@@ -276,6 +288,15 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
             return (replace(state, phase=Phase.CHECKPOINTING, command=event, checkpoint_reason="manual"),
                     [Checkpoint("manual", stop=False)])
         return state, [Answer(False, f"unknown command {event.op!r}; valid: checkpoint, migrate", event.id)]
+
+    if isinstance(event, NodesDraining):
+        if phase != Phase.RUNNING:
+            return state, []  # the watch reports the drain again once the job runs
+        why = f" ({event.reason})" if event.reason else ""
+        # No exclusion: Slurm places no job on a drained node, and one that is resumed is fine again.
+        new, actions = _stop(state, "migrate")
+        return new, [Say(f"{','.join(event.nodes)} draining{why}: checkpointing to move the job off"),
+                     *actions[1:]]
 
     if isinstance(event, CheckpointDone | CheckpointFailed):
         return _checkpoint_outcome(state, event)

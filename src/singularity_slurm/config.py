@@ -121,6 +121,13 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """How jobs move between nodes on their own."""
+
+    drain_poll_s: int = 30  # how often a job looks whether an admin drains one of its nodes (0: never)
+
+
+@dataclass(frozen=True)
 class TestingConfig:
     faults: bool = False  # fault points of checkpoint and restore may be armed (singularity_slurm.faults)
 
@@ -145,6 +152,7 @@ class Config:
     admin: AdminConfig = field(default_factory=AdminConfig)
     local_files: LocalFilesConfig = field(default_factory=LocalFilesConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
     source: Path | None = field(default=None, compare=False)
 
@@ -202,6 +210,10 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "store.orphan_age_min": (StoreConfig.orphan_age_min, int,
                              "minutes after which a job folder in the store that Slurm no longer knows and "
                              "nothing changed is collected"),
+    "elastic.drain_poll_s": (ElasticConfig.drain_poll_s, int,
+                             "seconds between a running job's looks at its nodes' state: a node an admin "
+                             "drains (scontrol update State=DRAIN) has its Singularity jobs checkpointed and "
+                             "requeued elsewhere; 0 = never"),
     "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
                        "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
                        "cluster"),
@@ -210,7 +222,8 @@ KEYS: dict[str, tuple[Any, type, str]] = {
 }
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
-_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store", "testing"}
+_SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store", "elastic",
+             "testing"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 _USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 """A POSIX user name (as useradd accepts it); `root` needs no entry."""
@@ -346,6 +359,12 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"store.orphan_age_min must be at least 60 minutes, got {ages['orphan_age_min']}: "
                           "a job Slurm has not registered yet must not lose its folder")
 
+    elastic_raw = data.get("elastic", {})
+    _check_keys(elastic_raw, {"drain_poll_s"}, "elastic")
+    drain_poll_s = _take(elastic_raw, "drain_poll_s", "elastic", int, ElasticConfig.drain_poll_s)
+    if not 0 <= drain_poll_s <= 86400:
+        raise ConfigError(f"elastic.drain_poll_s must be 0..86400 seconds, got {drain_poll_s}")
+
     testing_raw = data.get("testing", {})
     _check_keys(testing_raw, {"faults"}, "testing")
     testing = TestingConfig(faults=_take(testing_raw, "faults", "testing", bool, False))
@@ -367,6 +386,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         admin=AdminConfig(operators=tuple(operators)),
         local_files=LocalFilesConfig(**limits),
         store=StoreConfig(**ages),
+        elastic=ElasticConfig(drain_poll_s=drain_poll_s),
         testing=testing,
         source=source,
     )

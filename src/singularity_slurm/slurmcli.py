@@ -62,6 +62,16 @@ def parse_records(text: str) -> list[dict[str, str]]:
     return [parse_record(line) for line in text.splitlines() if line.strip()]
 
 
+_DRAIN_STATES = {"DRAIN", "DRAINING", "DRAINED"}  # scontrol writes ALLOCATED+DRAIN; sinfo DRAINING
+
+
+def draining(records: dict[str, dict[str, str]], nodes: Iterable[str]) -> tuple[tuple[str, ...], str]:
+    """Which of `nodes` an admin drains (State has the DRAIN flag: DRAINING or DRAINED), and the
+    first one's Reason; a node Slurm does not show is not."""
+    found = [n for n in nodes if _DRAIN_STATES & set(records.get(n, {}).get("State", "").split("+"))]
+    return tuple(found), (records[found[0]].get("Reason", "") if found else "")
+
+
 def parse_config(text: str) -> dict[str, str]:
     """`scontrol show config` ("Key = value" lines) -> {Key: value}."""
     config: dict[str, str] = {}
@@ -198,8 +208,11 @@ class SlurmClient:
         records = parse_records(self.run(["scontrol", "show", "partition", "-o"]).stdout)
         return {r["PartitionName"]: r for r in records if "PartitionName" in r}
 
-    def nodes(self) -> dict[str, dict[str, str]]:
-        records = parse_records(self.run(["scontrol", "show", "node", "-o"]).stdout)
+    def nodes(self, names: Iterable[str] = ()) -> dict[str, dict[str, str]]:
+        """Every node's record, or those of `names`."""
+        wanted = ",".join(names)
+        argv = ["scontrol", "show", "node", "-o", *([wanted] if wanted else [])]
+        records = parse_records(self.run(argv).stdout)
         return {r["NodeName"]: r for r in records if "NodeName" in r}
 
     def submit(self, script: str, options: Iterable[str] = (), user: str | None = None,

@@ -104,9 +104,9 @@ def _preempt_node(jobs, node: str, victims: dict[int, Path], restores_before: in
     jobs.wait_state(urgent, "COMPLETED")
 
 
-def test_the_readme_example_as_printed_survives_two_preemptions_and_a_migration_by_root(jobs,
-                                                                                      reference_log):
-    _prepare(jobs)
+def test_the_readme_example_as_printed_survives_two_preemptions_a_migration_by_root_and_a_drain(
+        jobs, reference_log):
+    _prepare(jobs, sleep=0.15)  # still running when the drain is seen, and after the migration
     script = readme_example()
     assert script.rstrip().endswith("singularityctl run -- python train.py --epochs 10")
     job_id = _sbatch(jobs, str(jobs.script("train.sh", script)))
@@ -119,20 +119,32 @@ def test_the_readme_example_as_printed_survives_two_preemptions_and_a_migration_
     _preempt_node(jobs, jobs.record(job_id)["NodeList"], {job_id: log}, restores_before=1)
     _wait_for(jobs, job_id, log, "step ", count=180)
 
+    # An admin drains the node it runs on, as for maintenance: the job moves off it by itself.
+    drained = jobs.record(job_id)["NodeList"]
+    subprocess.run(["scontrol", "update", f"NodeName={drained}", "State=DRAIN", "Reason=disk swap"],
+                   check=True, timeout=30)
+    try:
+        _wait_for(jobs, job_id, log, "restored checkpoint", count=3, timeout=120)
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={drained}", "State=RESUME"], check=True, timeout=30)
+    _wait_for(jobs, job_id, log, "step ", count=200)
+
     # An admin moves it: root's request reaches the job's agent through Redis, signed with munge.
     before = jobs.record(job_id)["NodeList"]
+    assert before != drained
     proc = subprocess.run([CTL, "migrate", str(job_id)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert f"runs again on {'n2' if before == 'n1' else 'n1'}" in proc.stdout
+    assert f"runs again on {drained}" in proc.stdout
     record = jobs.wait_state(job_id, "COMPLETED", timeout=240)
 
     text = log.read_text()
     assert training_log(text) == reference_log
     assert text.count("preemption warning (SIGURG): checkpointing") == 2
     assert text.count("migration requested") == 1
-    assert text.count("restored checkpoint") == 3
+    assert text.count(f"{drained} draining (disk swap [root@") == 1
+    assert text.count("restored checkpoint") == 4
     assert record["ExitCode"] == "0:0"
-    assert int(record["Restarts"]) == 3
+    assert int(record["Restarts"]) == 4
 
 
 def test_every_script_form_is_checkpointed_requeued_and_completes_identically(jobs, reference_log):

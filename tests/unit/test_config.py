@@ -135,8 +135,8 @@ def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
 
 def test_unknown_top_level_section_lists_valid_sections() -> None:
     assert config_error({"tier": {}}) == (
-        "unknown key(s) in [top level]: tier; valid keys: admin, local_files, paths, preemption, proxy, "
-        "redis, store, testing, tiers"
+        "unknown key(s) in [top level]: tier; valid keys: admin, elastic, local_files, paths, preemption, "
+        "proxy, redis, store, testing, tiers"
     )
 
 
@@ -629,3 +629,12 @@ def test_fault_points_are_off_unless_the_configuration_turns_them_on() -> None:
     assert load(Path(__file__).parents[2] / "contrib" / "config" / "config.toml").testing.faults is False
     assert parse({"testing": {"faults": True}}).testing.faults is True
     assert config_error({"testing": {"faults": "yes"}}).startswith("testing.faults must be bool, got 'yes'")
+
+
+def test_the_drain_watch_interval_defaults_to_30_s_and_0_turns_it_off() -> None:
+    assert parse({}).elastic.drain_poll_s == 30
+    assert parse({"elastic": {"drain_poll_s": 0}}).elastic.drain_poll_s == 0
+    assert config_error({"elastic": {"drain_poll_s": -1}}) == (
+        "elastic.drain_poll_s must be 0..86400 seconds, got -1")
+    assert config_error({"elastic": {"drain_poll": 5}}) == (
+        "unknown key(s) in [elastic]: drain_poll; valid keys: drain_poll_s")

@@ -14,6 +14,7 @@ from singularity_slurm.slurm_plugin.lifecycle import (
     Exit,
     FinishRun,
     Kill,
+    NodesDraining,
     PeriodicDue,
     Phase,
     Requeue,
@@ -331,6 +332,32 @@ def test_a_command_outside_running_is_refused_with_the_phase(phase: Phase) -> No
 def test_an_unknown_command_is_refused_naming_the_valid_ones() -> None:
     assert step(running(), Command("resize"))[1] == [
         Answer(False, "unknown command 'resize'; valid: checkpoint, migrate")]
+
+
+def test_a_drained_node_moves_the_job_off_it_without_excluding_it_for_good() -> None:
+    state, actions = run(NodesDraining(("n1",), "maint [root@08:00]"), state=running())
+    assert state.phase == Phase.STOPPING
+    assert actions == [Say("n1 draining (maint [root@08:00]): checkpointing to move the job off"),
+                       Checkpoint("migrate", stop=True)]
+
+    state, actions = run(TreeEnded("dumped", 0), CheckpointDone(SUMMARY), RequeueDone(), state=state)
+    # Slurm starts nothing on a drained node; one resumed later may run the job again
+    assert without_says(actions) == [Requeue()]
+    assert state.phase == Phase.REQUEUED
+
+
+def test_a_drain_seen_while_the_job_is_not_running_waits_for_the_next_look() -> None:
+    for phase in (Phase.STARTING, Phase.CHECKPOINTING, Phase.STOPPING, Phase.REQUEUEING, Phase.REQUEUED):
+        assert step(State(phase=phase), NodesDraining(("n1", "n2"))) == (State(phase=phase), [])
+    # seen again once the checkpoint in flight is done
+    state = run(PeriodicDue(), CheckpointDone(SUMMARY), state=running())[0]
+    assert without_says(step(state, NodesDraining(("n2",)))[1]) == [Checkpoint("migrate", stop=True)]
+
+
+def test_a_failed_checkpoint_for_a_drain_resumes_from_the_last_good_one() -> None:
+    state, actions = run(NodesDraining(("n1",)), CheckpointFailed("criu failed"), state=running())
+    assert without_says(actions) == [Checkpoint("migrate", stop=True), Kill(), Requeue()]
+    assert state.phase == Phase.REQUEUEING
 
 
 def test_a_warning_during_a_migration_changes_nothing() -> None:

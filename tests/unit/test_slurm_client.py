@@ -11,6 +11,7 @@ from singularity_slurm.errors import SlurmCommandFailed, SlurmError
 from singularity_slurm.slurmcli import (
     SlurmClient,
     SlurmVersion,
+    draining,
     expand_hostlist,
     is_already_requeued,
     is_invalid_job,
@@ -507,3 +508,17 @@ def test_as_a_user_slurm_tools_run_as_the_users_own_commands() -> None:
 
     assert SlurmClient(runner=runner, as_root=False).job(42) == {"JobId": "42"}
     assert "env" not in runner.calls[0]
+
+
+def test_draining_nodes_are_those_with_the_drain_flag_with_the_first_ones_reason() -> None:
+    records = {r["NodeName"]: r for r in parse_records(
+        "NodeName=n1 State=MIXED+DRAIN Reason=disk swap [root@2026-12-02T08:00:00]\n"
+        "NodeName=n2 State=ALLOCATED\n"
+        "NodeName=n3 State=IDLE+DRAIN Reason=spare [root@2026-12-01T07:00:00]\n"
+        "NodeName=n4 State=DRAINING\n")}
+    assert draining(records, ["n1", "n2"]) == (("n1",), "disk swap [root@2026-12-02T08:00:00]")
+    assert draining(records, ["n2"]) == ((), "")
+    assert draining(records, ["n3", "n1"]) == (("n3", "n1"), "spare [root@2026-12-01T07:00:00]")
+    assert draining(records, ["n4"]) == (("n4",), "")  # as sinfo would write it
+    # a node Slurm did not show (removed, or a stale name) is not draining
+    assert draining(records, ["n9"]) == ((), "")
