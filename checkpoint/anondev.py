@@ -135,8 +135,12 @@ def reserved(devices: Iterable[int], lock_file: Path | None = None) -> Iterator[
         yield set()
         return
     top = max(os.minor(d) for d in wanted)
-    lock = (os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            if lock_file else None)
+    lock = None
+    if lock_file is not None:
+        try:
+            lock = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:  # taken without the lock: a race with another agent, not a failure
+            log.warning("anonymous device numbers: cannot open %s: %s", lock_file, exc)
     try:
         spare: list[int] = []
         try:
