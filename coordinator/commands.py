@@ -39,7 +39,9 @@ from . import keys
 MUNGE = Path("/usr/bin/munge")
 UNMUNGE = Path("/usr/bin/unmunge")
 CLEAN_ENV = {"LC_ALL": "C"}
-OPS = ("checkpoint", "migrate")
+OPS = ("checkpoint", "migrate", "resize")
+MAX_SIZE = 4096
+"""The most nodes, or devices per node, a resize may name."""
 FIELDS = frozenset({"job_id", "op", "args", "request_id", "issued_at"})
 MAX_ENVELOPE = 64 * 1024  # bytes of one list entry, checked before anything parses it
 MAX_PAYLOAD = 16 * 1024  # bytes of the signed request (a migration's exclude list fits)
@@ -114,7 +116,27 @@ def _check_args(op: str, args: Any) -> dict[str, Any]:
         if set(args) != {"exclude"} or not isinstance(exclude, list) or not all(
                 isinstance(n, str) and _NODE.fullmatch(n) for n in exclude):
             raise Refused("migrate takes exactly {exclude: [node names]}")
+    if op == "resize":
+        return resize_args(args)
     return args
+
+
+def resize_args(args: Any) -> dict[str, Any]:
+    """{nodes: [MIN, MAX] | null, gpus_per_node: G | null}, at least one given; else Refused."""
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SIZE
+
+    usage = (f"resize takes {{nodes: [MIN, MAX] or null, gpus_per_node: G or null}} (1..{MAX_SIZE}, "
+             "MIN <= MAX), at least one of them")
+    if not isinstance(args, dict) or set(args) != {"nodes", "gpus_per_node"}:
+        raise Refused(usage)
+    nodes, gpus = args["nodes"], args["gpus_per_node"]
+    if nodes is not None and not (isinstance(nodes, list) and len(nodes) == 2 and all(map(count, nodes))
+                                  and nodes[0] <= nodes[1]):
+        raise Refused(usage)
+    if (gpus is not None and not count(gpus)) or (nodes is None and gpus is None):
+        raise Refused(usage)
+    return {"nodes": nodes, "gpus_per_node": gpus}
 
 
 def parse_request(payload: bytes, job_id: int) -> Request:
@@ -300,6 +322,8 @@ def agent_request(request: Request, multi_node: bool) -> dict[str, Any]:
         # Only the launcher of a multi-node job can checkpoint every node at one cut.
         return {"op": "launcher_checkpoint"} if multi_node else {"op": "checkpoint", "reason": "manual",
                                                                 "stop": False}
+    if request.op == "resize":
+        return {"op": "resize", **resize_args(request.args)}
     return {"op": "migrate", "exclude": list(request.args["exclude"])}
 
 

@@ -33,8 +33,13 @@ def node_blocks(world_size: int, nodes: int) -> list[range]:
     return blocks
 
 
-def place(world_size: int, devices: Sequence[Sequence[str]]) -> dict[int, str]:
-    """rank -> device (proxy id), given each node's devices in node order."""
+def place(world_size: int, devices: Sequence[Sequence[str]],
+          max_per_device: int | None = None) -> dict[int, str]:
+    """rank -> device (proxy id), given each node's devices in node order.
+
+    Ranks beyond a node's device count share its devices, taking turns; `max_per_device` bounds how
+    many may share one (`[elastic] max_ranks_per_device`).
+    """
     for index, node_devices in enumerate(devices):
         if not node_devices:
             raise PlacementError(f"node {index} of the job has no device proxy")
@@ -42,7 +47,31 @@ def place(world_size: int, devices: Sequence[Sequence[str]]) -> dict[int, str]:
     for node_devices, block in zip(devices, node_blocks(world_size, len(devices)), strict=True):
         for i, rank in enumerate(block):
             placement[rank] = node_devices[i % len(node_devices)]
+    if max_per_device is not None:
+        busiest = max(list(placement.values()).count(d) for d in set(placement.values()))
+        if busiest > max_per_device:
+            total = sum(len(d) for d in devices)
+            where = f"{total} device{'' if total == 1 else 's'}"
+            raise PlacementError(f"{world_size} ranks on {where} would put {busiest} ranks on one device,"
+                                 f" more than [elastic] max_ranks_per_device = {max_per_device}: "
+                                 f"give the job at least {-(-world_size // max_per_device)} devices")
     return placement
+
+
+def check_size(world_size: int, nodes: tuple[int, int], devices_per_node: int, max_per_device: int) -> None:
+    """Refuse a size (a node count range, devices on each node) that cannot hold the world size on
+    any node count of the range: every node needs a rank, and no device more than `max_per_device`."""
+    low, high = nodes
+    if not 1 <= low <= high:
+        raise PlacementError(f"a node count range runs from 1 up (MIN <= MAX), got {low}-{high}")
+    if devices_per_node < 1:
+        raise PlacementError(f"a distributed job needs at least one device per node, got {devices_per_node}")
+    if world_size < high:
+        raise PlacementError(f"world size {world_size} cannot run on {high} nodes: every node runs at least "
+                             f"one rank; ask for at most {world_size} nodes")
+    for count in range(low, high + 1):
+        place(world_size, [[f"{n}/{d}" for d in range(devices_per_node)] for n in range(count)],
+              max_per_device)
 
 
 def ranks_on(placement: dict[int, str], devices: Sequence[str]) -> list[int]:

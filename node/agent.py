@@ -14,10 +14,12 @@ store, and reports how it ended.
 Requests (`op`) are `rpc` frames, each answered with `{"ok": true, ...}` or
 `{"ok": false, "error": "...", "kind": "..."}` (see `singularity_slurm.rpc` for the kinds and limits):
   ping                                   liveness and identity
-  start {argv, cwd, output, env, rank}   start the tree (rank: the node's index in the job)
-  restore {rank, generation}             restore the newest valid checkpoint of the job (or, in a
-                                         multi-node job, this node's part of one generation)
-  wait {}                                block until the tree ends: {"state", "exit_status"}
+  start {argv, cwd, output, env, rank}   start the node's tree (rank: the node's index in the job), or
+                                         with `proxy`, one tree per rank the placement gives this node
+  restore {rank, generation}             restore the newest valid checkpoint of the node's tree (or its
+                                         part of one generation), or with `proxy` the trees of this
+                                         node's ranks from `generation`
+  wait {}                                block until every tree ended: {"state", "exit_status"}
   checkpoint {reason, stop, generation, common}
                                          dump (stop: the tree ends) and commit a checkpoint; `common`:
                                          generations every node has, which pruning keeps
@@ -27,7 +29,8 @@ Requests (`op`) are `rpc` frames, each answered with `{"ok": true, ...}` or
   migrate {exclude}                      (through the launcher) checkpoint every node, the trees stop,
                                          then requeue away from `exclude`
   latest {run}                           the newest committed checkpoint of the job, or null
-  generations {rank, run}                generations of this node's multi-node checkpoints
+  generations {rank | ranks, run}        generations of this node's multi-node checkpoints, or of each
+                                         rank's of a distributed job
   run_begin {command}                    the launcher of the job's next `singularityctl run` line:
                                          its key and what is known of it from before a requeue
   run_end {key, exit_status}             that run's command ended by itself
@@ -42,10 +45,13 @@ Checkpoint, restore, latest and generations take the run's key (`run`), so each 
 of a job restores only its own checkpoints.
 
 A distributed job's start and restore carry `proxy: {generation, placement}` (rank -> proxy id):
-the agent configures its proxies for that rendezvous generation and starts this node's ranks. Its
-checkpoints then first bring the job to its distributed cut through the proxies (quiesce), and let
-the ranks reconnect after the dump (resume). A proxy that dies ends the tree (`proxy_lost` in the
-wait answer), so the launcher requeues the job instead of leaving its ranks waiting.
+the agent configures its proxies for that rendezvous generation and runs one process tree per rank
+the placement gives this node (a rank is the unit of checkpoint and restore, so a job can restore on
+another number of nodes and devices than it was dumped on). Its checkpoints first bring the job to
+its distributed cut through the proxies (quiesce), dump every tree, and let the ranks reconnect after
+the dump (resume). A proxy that dies ends the trees (`proxy_lost` in the wait answer), so the launcher
+requeues the job instead of leaving its ranks waiting; so does a rank that fails, for the node's other
+ranks.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +87,8 @@ MAX_CONNECTIONS = 32
 """Connections one agent serves at once (root has rpc.ROOT_RESERVE more): each holds a thread."""
 MESH_WAIT_S = 360.0
 """How long the agent waits for a new generation's mesh (the proxies' rendezvous waits 300 s)."""
+MAX_RANKS = 4096
+"""Ranks one generations request may name (a job's world size)."""
 MAX_COMMON = 16
 """Generations a checkpoint request may name as committed on every node (the launcher sends a few)."""
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
@@ -88,7 +97,8 @@ LOG = logging.getLogger("singularity.agent")
 
 
 class TreeState(enum.StrEnum):
-    """State of the job's process tree on this node.
+    """State of the job's process trees on this node (one, or one per rank of a distributed job),
+    which start, checkpoint and end together.
 
     NONE -> RUNNING (start, restore) -> CHECKPOINTING -> RUNNING (leave running) | DUMPED (stop)
     RUNNING -> EXITED (the command ended) | KILLED (kill, or the agent stops)
@@ -100,6 +110,17 @@ class TreeState(enum.StrEnum):
     DUMPED = "dumped"
     EXITED = "exited"
     KILLED = "killed"
+
+
+@dataclass
+class Tree:
+    """One process tree of the job on this node: a rank of a `--world-size` job (index = the rank),
+    or the node's one tree (index = the node's place among the job's nodes)."""
+
+    index: int
+    engine: Any  # CheckpointEngine.for_tree(index): the tree's store and device history
+    init_pid: int
+    exit_status: int | None = None
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -125,6 +146,7 @@ class AgentState:
         self.run_dir = run_dir
         self.cut_timeout = cut_timeout
         self.proxies: dict[str, Path] = {}  # proxies serving ranks of the tree: id -> control socket
+        self.size: dict[str, int] | None = None  # a distributed job's ranks, devices, nodes in all
         self.proxy_lost: str | None = None
         # One request goes to the launcher at a time (`pending`): one command, one answer.
         self.commands: queue.Queue[dict] = queue.Queue(maxsize=1)
@@ -136,8 +158,12 @@ class AgentState:
         self.run_key: str | None = None  # the `singularityctl run` whose tree runs here
         self.lock = threading.Condition()
         self.state = TreeState.NONE
-        self.init_pid: int | None = None
-        self.exit_status: int | None = None
+        self.trees: dict[int, Tree] = {}
+        self.epoch = 0  # counts starts and restores: a reaper or watcher of older trees does nothing
+        self.exit_status: int | None = None  # once every tree ended: the first failure's, else 0
+        self.failure: int | None = None  # the first non-zero status a tree ended with
+        self.restoring: list[int] = []  # trees a restore in progress brought back so far
+        self.stopping = False  # the agent is stopping: a restore in progress stops too
         self.last_checkpoint: dict | None = None
         self.cgroups: list[Path] = []  # the job's extern step cgroups on this node, once a caller showed them
 
@@ -179,9 +205,15 @@ class AgentState:
     def op_ping(self, request: dict) -> dict:
         return {"job_id": self.job_id, "node": self.node, "pid": os.getpid()}
 
+    @property
+    def init_pid(self) -> int | None:
+        """The namespace init of the first tree (status, tests)."""
+        return next((tree.init_pid for tree in self.trees.values()), None)
+
     def op_status(self, request: dict) -> dict:
         with self.lock:
             return {"state": str(self.state), "init_pid": self.init_pid,
+                    "trees": {str(t.index): t.init_pid for t in self.trees.values()},
                     "exit_status": self.exit_status, "last_checkpoint": self.last_checkpoint}
 
     def _need_engine(self) -> Any:
@@ -192,44 +224,84 @@ class AgentState:
     def op_start(self, request: dict) -> dict:
         engine = self._need_engine()
         cgroups = self._job_cgroups()
-        engine.use_rank(request.get("rank", 0))
+        node_index = request.get("rank", 0)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
         ranks = self._configure_proxies(request.get("proxy"))
-        if ranks is not None:
-            extra = {"SINGULARITY_LOCAL_RANKS": ",".join(map(str, ranks))}
-            if self.rank_dir is not None:
-                extra["SINGULARITY_RANK_DIR"] = self.rank_dir
-            request = {**request, "env": {**(request.get("env") or {}), **extra}}
-        spec = engine.tree_spec(request, self.job_uid, self.job_id)
+        if ranks is None:
+            requests = {node_index: request}
+        else:  # one tree per rank, each with what torchrun gives a rank
+            extra = {"SINGULARITY_RANK_DIR": self.rank_dir} if self.rank_dir is not None else {}
+            requests = {rank: {**request, "env": {**(request.get("env") or {}), **extra, "RANK": str(rank),
+                                                  "LOCAL_RANK": str(local),
+                                                  "LOCAL_WORLD_SIZE": str(len(ranks))}}
+                        for local, rank in enumerate(ranks)}
+        engines = {index: engine.for_tree(index) for index in requests}
+        specs = {index: engines[index].tree_spec(req, self.job_uid, self.job_id)
+                 for index, req in requests.items()}
         self.run_key = _run_key(request)
-        engine.begin(self.job_id)
+        for tree_engine in engines.values():
+            tree_engine.begin(self.job_id)
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
-            self.init_pid, waiter = engine.start(spec, cgroups)
-            self._running(waiter)
-        LOG.info("job %s node %s: started %s (ns init pid %s)", self.job_id, self.node,
-                 spec.argv, self.init_pid)
-        return {"init_pid": self.init_pid}
+            trees, waiters = [], []
+            try:
+                for index, spec in specs.items():
+                    pid, waiter = engines[index].start(spec, cgroups)
+                    trees.append(Tree(index, engines[index], pid))
+                    waiters.append(waiter)
+            except BaseException:
+                for tree in trees:  # all of the node's trees run, or none
+                    _kill(tree.init_pid)
+                raise
+            self._running(trees, waiters)
+        LOG.info("job %s node %s: started %s (trees %s)", self.job_id, self.node,
+                 specs[next(iter(specs))].argv, {t.index: t.init_pid for t in trees})
+        return {"init_pid": self.init_pid, "trees": {str(t.index): t.init_pid for t in trees}}
 
     def op_restore(self, request: dict) -> dict:
+        """Restore this node's trees: the node's one tree (its newest valid checkpoint, or its part of
+        `generation`), or the ranks the placement gives this node's proxies (`generation`)."""
         engine = self._need_engine()
         cgroups = self._job_cgroups()
+        generation = request.get("generation")
         with self.lock:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 raise RequestError(f"job {self.job_id} already runs on {self.node}")
-            engine.use_rank(request.get("rank", 0))
-            engine.begin(self.job_id)
-            self._configure_proxies(request.get("proxy"))
+            ranks = self._configure_proxies(request.get("proxy"))
+            if ranks is not None:
+                if not isinstance(generation, str):
+                    raise RequestError("restore: ranks are restored from a generation: give generation")
+                indices = ranks
+            else:
+                indices = [request.get("rank", 0)]
+            engines = {index: engine.for_tree(index) for index in indices}
+            for tree_engine in engines.values():
+                tree_engine.begin(self.job_id)
             self.run_key = _run_key(request)
-            result = engine.restore(self.job_id, self.job_uid, request.get("generation"), self.run_key,
-                                    cgroups=cgroups)
-            self.init_pid = result["init_pid"]
-            self._running(result.pop("waiter"))
-        LOG.info("job %s node %s: restored checkpoint %s", self.job_id, self.node, result["seq"])
-        return result
+            trees, waiters, results = [], [], []
+            try:
+                for index, tree_engine in engines.items():
+                    if self.stopping:
+                        raise rpc.Unavailable(f"the agent of job {self.job_id} on {self.node} is stopping")
+                    result = tree_engine.restore(self.job_id, self.job_uid, generation, self.run_key,
+                                                 cgroups=cgroups)
+                    self.restoring.append(result["init_pid"])
+                    trees.append(Tree(index, tree_engine, result["init_pid"]))
+                    waiters.append(result.pop("waiter"))
+                    results.append(result)
+            except BaseException:
+                for tree in trees:
+                    _kill(tree.init_pid)
+                raise
+            finally:
+                self.restoring = []
+            self._running(trees, waiters)
+        LOG.info("job %s node %s: restored checkpoint %s (trees %s)", self.job_id, self.node,
+                 [r["seq"] for r in results], [t.index for t in trees])
+        return _merged(results, [t.index for t in trees])
 
     def _job_cgroups(self) -> list[Path]:
         """The job's extern step cgroups, from the caller's (a process of a step of the job here).
@@ -251,13 +323,17 @@ class AgentState:
                         "PrologFlags=Contain)", self.job_id, self.node, pid)
         return self.cgroups
 
-    def _running(self, waiter) -> None:
+    def _running(self, trees: list[Tree], waiters: list) -> None:
+        self.epoch += 1
+        self.trees = {tree.index: tree for tree in trees}
         self.state = TreeState.RUNNING
         self.exit_status = None
+        self.failure: int | None = None
         self.proxy_lost = None
-        threading.Thread(target=self._reap, args=(waiter, self.init_pid), daemon=True).start()
+        for tree, waiter in zip(trees, waiters, strict=True):
+            threading.Thread(target=self._reap, args=(waiter, tree, self.epoch), daemon=True).start()
         if self.proxies:
-            threading.Thread(target=self._watch_proxies, args=(self.init_pid,), daemon=True).start()
+            threading.Thread(target=self._watch_proxies, args=(self.epoch,), daemon=True).start()
 
     # --- device proxies ---------------------------------------------------------------------------
 
@@ -276,11 +352,13 @@ class AgentState:
     def _configure_proxies(self, config: Any) -> list[int] | None:
         """Configure this node's proxies for a rendezvous generation; this node's ranks, or None."""
         if config is None:
-            self.proxies = {}
+            self.proxies, self.size = {}, None
             return None
         if not isinstance(config, dict) or not isinstance(config.get("generation"), str):
             raise RequestError("proxy: needs {generation: string, placement: {rank: proxy id}}")
         placement = config.get("placement")
+        if isinstance(placement, dict) and len(placement) > MAX_RANKS:
+            raise RequestError(f"proxy.placement names {len(placement)} ranks, more than {MAX_RANKS}")
         if not isinstance(placement, dict) or not all(
                 isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in placement.items()):
             raise RequestError("proxy.placement must map rank numbers to proxy ids")
@@ -298,6 +376,12 @@ class AgentState:
         if not ranks:
             raise RequestError(f"the placement gives no rank to {self.node}'s proxies "
                                f"({', '.join(local) or 'none'})")
+        bound = getattr(getattr(self.engine, "config", None), "elastic", None)
+        if bound is not None:  # each rank is a tree the agent watches: no more than the site allows
+            busiest = max(list(placement.values()).count(proxy) for proxy in used)
+            if busiest > bound.max_ranks_per_device:
+                raise RequestError(f"the placement puts {busiest} ranks on one of {self.node}'s devices, "
+                                   f"more than [elastic] max_ranks_per_device = {bound.max_ranks_per_device}")
         for proxy in local:  # every proxy learns the generation; unused ones serve nothing
             try:
                 rpc.call(local[proxy], {"op": "configure", "generation": config["generation"],
@@ -305,6 +389,9 @@ class AgentState:
             except rpc.RpcError as exc:
                 raise RequestError(f"proxy {proxy}: {exc}", kind=exc.kind) from exc
         self.proxies = {proxy: local[proxy] for proxy in sorted(used, key=_device_order)}
+        devices = set(placement.values())
+        self.size = {"ranks": len(placement), "devices": len(devices),
+                     "nodes": len({proxy.split("/", 1)[0] for proxy in devices})}
         LOG.info("job %s node %s: proxies %s serve ranks %s (generation %s)", self.job_id, self.node,
                  list(self.proxies), ranks, config["generation"])
         return ranks
@@ -331,7 +418,7 @@ class AgentState:
             raise RequestError(f"the job's ranks did not reach a consistent cut: {failed[0]}")
         return round(time.monotonic() - started, 3)
 
-    def _watch_proxies(self, init_pid: int) -> None:
+    def _watch_proxies(self, epoch: int) -> None:
         """End the tree when one of its proxies cannot serve it (it died, or its mesh never formed):
         the launcher then requeues the job, instead of its ranks waiting or failing."""
         names = {proxy: f"proxy-{proxy.split('/', 1)[1]}" for proxy in self.proxies}
@@ -343,45 +430,51 @@ class AgentState:
             except rpc.RpcError as exc:
                 problem = str(exc)
             if problem is not None:
-                self._lose_tree(init_pid, f"{proxy} could not reach the job's other proxies ({problem})")
+                self._lose_tree(epoch, f"{proxy} could not reach the job's other proxies ({problem})")
                 return
         while True:
             time.sleep(0.5)
             with self.lock:
-                if self.init_pid != init_pid or self.state not in (TreeState.RUNNING,
-                                                                   TreeState.CHECKPOINTING):
+                if self.epoch != epoch or self.state not in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                     return
                 assert self.run_dir is not None
                 dead = [p for p, name in names.items() if services.running_pid(self.run_dir, name) is None]
             if dead:
-                self._lose_tree(init_pid, f"{dead[0]} died")
+                self._lose_tree(epoch, f"{dead[0]} died")
                 return
 
-    def _lose_tree(self, init_pid: int, what: str) -> None:
+    def _lose_tree(self, epoch: int, what: str) -> None:
         with self.lock:
-            if self.init_pid != init_pid or self.state not in (TreeState.RUNNING, TreeState.CHECKPOINTING):
+            if self.epoch != epoch or self.state not in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 return
             self.proxy_lost = what
-            LOG.error("job %s node %s: device proxy %s; ending the tree so the job is requeued", self.job_id,
-                      self.node, what)
-            try:
-                os.kill(init_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            LOG.error("job %s node %s: device proxy %s; ending the trees so the job is requeued",
+                      self.job_id, self.node, what)
+            for tree in self.trees.values():
+                _kill(tree.init_pid)
 
-    def _reap(self, waiter, init_pid: int) -> None:
+    def _reap(self, waiter, tree: Tree, epoch: int) -> None:
         status = waiter()
         with self.lock:
-            if self.init_pid != init_pid:
+            if self.epoch != epoch:
                 return
-            self.exit_status = status
-            if self.state == TreeState.RUNNING:
-                self.state = TreeState.EXITED
-            elif self.state == TreeState.CHECKPOINTING:
-                # The tree ended while being dumped: CRIU's kill after a stop-dump lands here first.
-                pass
+            tree.exit_status = status
+            if status != 0 and self.failure is None:
+                self.failure = status
+            others = [t for t in self.trees.values() if t.exit_status is None]
+            if status != 0 and others and self.state == TreeState.RUNNING:
+                # A failed rank would leave the node's other ranks waiting in a collective forever.
+                LOG.error("job %s node %s: tree %s exited with status %s; ending the node's other trees",
+                          self.job_id, self.node, tree.index, status)
+                for other in others:
+                    _kill(other.init_pid)
+            if not others:
+                self.exit_status = self.failure or 0
+                if self.state == TreeState.RUNNING:
+                    self.state = TreeState.EXITED
+                # CHECKPOINTING: the trees ended while being dumped (CRIU's kill after a stop-dump)
             self.lock.notify_all()
-        LOG.info("job %s node %s: tree ended with status %s", self.job_id, self.node, status)
+        LOG.info("job %s node %s: tree %s ended with status %s", self.job_id, self.node, tree.index, status)
 
     def op_wait(self, request: dict) -> dict:
         with self.lock:
@@ -394,7 +487,7 @@ class AgentState:
                     "proxy_lost": self.proxy_lost}
 
     def op_checkpoint(self, request: dict) -> dict:
-        engine = self._need_engine()
+        self._need_engine()
         reason = str(request.get("reason") or "manual")
         stop = bool(request.get("stop", False))
         generation = request.get("generation")
@@ -408,13 +501,28 @@ class AgentState:
             if self.state != TreeState.RUNNING:
                 raise RequestError(f"job {self.job_id} is {self.state} on {self.node}: nothing to checkpoint")
             self.state = TreeState.CHECKPOINTING
-            init_pid = self.init_pid
+            trees = list(self.trees.values())
+        if len(trees) > 1 and generation is None:
+            # The ranks of a distributed job are checkpointed as one generation, which its launcher
+            # names (a node's own request, as `singularityctl checkpoint` sends it, goes through it).
+            with self.lock:
+                self.state = TreeState.RUNNING
+                self.lock.notify_all()
+            return self._through_launcher({"op": "checkpoint"})
+        run = _run_key(request) or self.run_key
+
+        def dump(tree: Tree) -> dict:
+            return tree.engine.checkpoint(self.job_id, self.job_uid, tree.init_pid, reason=reason,
+                                          stop=stop, generation=generation, run=run, common=common,
+                                          size=self.size)
+
         try:
             cut_seconds = self._quiesce()
             try:
-                summary = engine.checkpoint(self.job_id, self.job_uid, init_pid, reason=reason, stop=stop,
-                                            generation=generation,
-                                            run=_run_key(request) or self.run_key, common=common)
+                # The ranks stand at the cut: each tree is dumped on its own, all at once.
+                with ThreadPoolExecutor(max_workers=len(trees)) as pool:
+                    summaries = list(pool.map(dump, trees))
+                summary = _merged(summaries, [t.index for t in trees])
             finally:
                 if self.proxies and not stop:
                     self._proxies_call({"op": "resume"}, 30)
@@ -438,9 +546,10 @@ class AgentState:
 
     def op_kill(self, request: dict) -> dict:
         with self.lock:
-            if self.init_pid is not None and self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
+            if self.trees and self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING):
                 self.state = TreeState.KILLED
-                os.kill(self.init_pid, signal.SIGKILL)
+                for tree in self.trees.values():
+                    _kill(tree.init_pid)
             self.lock.notify_all()
             return {"state": str(self.state)}
 
@@ -449,7 +558,15 @@ class AgentState:
         if not isinstance(exclude, list) or not all(isinstance(n, str) and n.isprintable() and n
                                                     for n in exclude):
             raise RequestError("requeue: exclude must be a list of node names")
-        return self._need_engine().requeue(self.job_id, exclude)
+        resize = request.get("resize")
+        if resize is not None:
+            from singularity_slurm.coordinator.commands import Refused, resize_args
+
+            try:
+                resize = resize_args(resize)
+            except Refused as exc:
+                raise RequestError(f"requeue: {exc.reason}") from None
+        return self._need_engine().requeue(self.job_id, exclude, resize)
 
     def op_migrate(self, request: dict) -> dict:
         exclude = request.get("exclude") or []
@@ -492,6 +609,16 @@ class AgentState:
             raise rpc.Failed(f"{command['op']} failed: {result.get('error')}")
         return dict(result.get("summary") or {})
 
+    def op_resize(self, request: dict) -> dict:
+        """(through the launcher) checkpoint, requeue at a new size: {nodes: [MIN, MAX], gpus_per_node}."""
+        from singularity_slurm.coordinator.commands import Refused, resize_args
+
+        try:
+            size = resize_args({k: request.get(k) for k in ("nodes", "gpus_per_node")})
+        except Refused as exc:
+            raise RequestError(exc.reason) from None
+        return {**self._through_launcher({"op": "resize", **size}), **size}
+
     def op_launcher_checkpoint(self, request: dict) -> dict:
         return self._through_launcher({"op": "checkpoint"})
 
@@ -526,9 +653,16 @@ class AgentState:
         return {}
 
     def op_generations(self, request: dict) -> dict:
+        """Generations of this node's tree (`rank`: its index), or of each of `ranks` (the ranks of
+        a distributed job, whose checkpoints any node reads: the store is shared)."""
         engine = self._need_engine()
-        engine.use_rank(request.get("rank", 0))
-        return {"generations": engine.generations(self.job_id, _run_key(request))}
+        run = _run_key(request)
+        ranks = request.get("ranks")
+        if ranks is None:
+            return {"generations": engine.for_tree(request.get("rank", 0)).generations(self.job_id, run)}
+        if not isinstance(ranks, list) or not ranks or len(ranks) > MAX_RANKS:
+            raise RequestError(f"generations: ranks must be a list of 1 to {MAX_RANKS} ranks")
+        return {"ranks": {str(r): engine.for_tree(r).generations(self.job_id, run) for r in ranks}}
 
     def op_latest(self, request: dict) -> dict:
         return {"checkpoint": self._need_engine().latest(self.job_id, _run_key(request))}
@@ -557,7 +691,37 @@ class AgentState:
         return {}
 
     def shutdown(self) -> None:
+        """End the job's trees on this node. A restore in progress holds the lock for as long as
+        criu takes, and the Epilog kills an agent that does not stop within seconds: the trees it
+        already brought back are ended without waiting for it, and it restores no more."""
+        self.stopping = True
+        for pid in [*self.restoring, *(tree.init_pid for tree in list(self.trees.values()))]:
+            if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING) or pid in self.restoring:
+                _kill(pid)
         self.op_kill({})
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _merged(summaries: list[dict], trees: list[int]) -> dict:
+    """One answer for the checkpoints or restores of a node's trees (one: as it is)."""
+    if len(summaries) == 1:
+        return {**summaries[0], "trees": trees}
+    first = summaries[0]
+    merged = {**first, "trees": trees,
+              "logical_bytes": sum(s["logical_bytes"] for s in summaries),
+              "new_bytes": sum(s["new_bytes"] for s in summaries),
+              "seconds": max((s["seconds"] or 0.0) for s in summaries),
+              "dedup_ratio": None}
+    for key in ("refused", "notices"):
+        if any(key in s for s in summaries):
+            merged[key] = [item for s in summaries for item in s.get(key, [])]
+    return merged
 
 
 def _run_key(request: dict, field: str = "run") -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import pwd
 import shutil
@@ -79,6 +80,7 @@ def summarize(manifest: Manifest, seconds: float | None = None) -> dict[str, Any
         "new_bytes": manifest.new_bytes,
         "dedup_ratio": round(manifest.dedup_ratio, 2) if manifest.new_bytes else None,
         "node": manifest.meta.get("node"),
+        **({"placement": manifest.meta["placement"]} if manifest.meta.get("placement") else {}),
         "seconds": round(seconds, 3) if seconds is not None else None,
     }
 
@@ -135,16 +137,24 @@ class CheckpointEngine:
         # anonymous device numbers the tree's earlier incarnations mounted (see checkpoint.anondev)
         self.devices: list[int] = []
 
-    def use_rank(self, rank: int) -> None:
-        """Keep this node's checkpoints apart from the other nodes' of a multi-node job.
+    def for_tree(self, tree: int) -> CheckpointEngine:
+        """This engine for one of the job's process trees: a rank of a `--world-size` job, or the
+        node's one tree (its index among the job's nodes) otherwise.
 
-        Node rank 0 (every single-node job) uses the store's root; rank r > 0 uses ranks/r under it.
+        Trees keep their checkpoints apart: tree 0 (every single-node job) uses the store's root,
+        tree r > 0 uses ranks/r under it. The copy also keeps the tree's own device history.
         """
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise RequestError(f"rank must be a non-negative integer, got {rank!r}")
-        self.rank = rank
+        if not isinstance(tree, int) or isinstance(tree, bool) or tree < 0:
+            raise RequestError(f"rank must be a non-negative integer, got {tree!r}")
+        engine = copy.copy(self)
+        engine.rank = tree
         root = self.config.paths.store_root
-        self.store = job_store(root if rank == 0 else root / "ranks" / str(rank))
+        engine.store = job_store(root if tree == 0 else root / "ranks" / str(tree))
+        engine.devices = []
+        return engine
+
+    def file_log(self, job_id: int) -> Path:
+        return localfiles.log_path(self.config.paths.filelog_dir, job_id, self.rank)
 
     def begin(self, job_id: int) -> None:
         """A start or restore of this node's part of the job: from now on, a checkpoint an older
@@ -185,7 +195,7 @@ class CheckpointEngine:
                                f"serves job {job_id}; run `singularityctl run` inside job {named[0]} "
                                "itself")
         gid = pwd.getpwuid(uid).pw_gid
-        log = localfiles.log_path(self.config.paths.filelog_dir, job_id)
+        log = self.file_log(job_id)
         notices = localfiles.prepare_log(log, uid, gid)
         localfiles.tell_job(UserCreds.of_uid(uid), output, notices, NOTICE)
         env = {**env, **filelog.env_for(filelog_shim_path(self.config.paths.prefix), log,
@@ -210,14 +220,16 @@ class CheckpointEngine:
 
     def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                    generation: str | None = None, run: str | None = None,
-                   common: list[str] | None = None) -> dict[str, Any]:
-        """Dump the tree and commit it. For a multi-node checkpoint, `common` lists the generations
-        every node committed (newest first; None: not known, and nothing of this run is pruned)."""
+                   common: list[str] | None = None, size: dict[str, int] | None = None) -> dict[str, Any]:
+        """Dump the tree and commit it. For a multi-tree checkpoint, `common` lists the generations
+        every tree committed (newest first; None: not known, and nothing of this run is pruned);
+        `size`: a distributed job's ranks, devices and nodes, which the checkpoint records."""
         started = time.monotonic()
-        work = self.run_dir / f"dump-{int(time.time() * 1000)}"
+        work = self.run_dir / f"dump-{self.rank}-{int(time.time() * 1000)}"
         work.mkdir(mode=0o700, parents=True)
         try:
-            summary = self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started)
+            summary = self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started,
+                                       size)
         except Exception as exc:
             error = str(exc)
             self._index(lambda registry: registry.record_failure(job_id, self.node, reason, error))
@@ -249,7 +261,8 @@ class CheckpointEngine:
             self.store.drop(job_id, doomed)
 
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
-                    generation: str | None, run: str | None, work: Path, started: float) -> dict[str, Any]:
+                    generation: str | None, run: str | None, work: Path, started: float,
+                    size: dict[str, int] | None = None) -> dict[str, Any]:
         output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
         faults.point(self.config, "dump", self.node)
         self.criu.dump(init_pid, work, leave_running=not stop)
@@ -258,13 +271,13 @@ class CheckpointEngine:
         creds = UserCreds.of_uid(uid)
         copies = work.with_name(work.name + "-local")
         try:
-            local = localfiles.collect(localfiles.log_path(self.config.paths.filelog_dir, job_id), creds,
+            local = localfiles.collect(self.file_log(job_id), creds,
                                        copies, self.config.local_files)
             manifest = images.upload(self.store, job_id, work, reason, {
                 "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
                 "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
                 "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
-                "anon_devs": devices,
+                "anon_devs": devices, **({"placement": size} if size else {}),
             }, extra=local.entries, fault=lambda: faults.point(self.config, "store-write", self.node))
         finally:
             shutil.rmtree(copies, ignore_errors=True)
@@ -319,7 +332,7 @@ class CheckpointEngine:
                 break
             except (RestoreRefused, RestoreFailed, faults.InjectedFault) as exc:
                 if generation is not None:
-                    raise RequestError(f"checkpoint {manifest.seq} of node rank {self.rank} refused: "
+                    raise RequestError(f"checkpoint {manifest.seq} of tree {self.rank} refused: "
                                        f"{exc}") from exc
                 refused.append(store_refusal(manifest.seq, str(exc)))
         summary = summarize(manifest, time.monotonic() - started)
@@ -338,7 +351,7 @@ class CheckpointEngine:
                      cgroups: list[Path]) -> tuple[int, list[str]]:
         """Put one checkpoint back and restore its tree; it runs only if what it holds passes the
         check (else RestoreRefused, and criu has killed the tree)."""
-        work = self.run_dir / f"restore-{manifest.seq}"
+        work = self.run_dir / f"restore-{self.rank}-{manifest.seq}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(mode=0o700, parents=True)
         try:
@@ -350,7 +363,7 @@ class CheckpointEngine:
                                      "at a path the job's user controls; keep such files and sockets "
                                      "in /dev/shm (private to the job)")
             log = work / localfiles.LOG_ENTRY
-            notices = localfiles.prepare_log(localfiles.log_path(self.config.paths.filelog_dir, job_id),
+            notices = localfiles.prepare_log(self.file_log(job_id),
                                              creds.uid, creds.gid,
                                              log.read_bytes() if log.exists() else None)
             notices += localfiles.put_back(work, creds, self.config.local_files).notices
@@ -383,23 +396,29 @@ class CheckpointEngine:
 
     # --- requeue ----------------------------------------------------------------------------------
 
-    def requeue(self, job_id: int, exclude: list[str] | None = None) -> dict[str, Any]:
+    def requeue(self, job_id: int, exclude: list[str] | None = None,
+                resize: dict[str, Any] | None = None) -> dict[str, Any]:
         """Requeue the job, and lift Slurm's requeue delay from a helper that outlives the epilog.
 
-        With `exclude`, the helper also keeps the job off those nodes (a migration): a node list can
-        only be changed once the job is pending again.
+        With `exclude`, the helper also keeps the job off those nodes (a migration); with `resize`
+        ({nodes: [MIN, MAX] | None, gpus_per_node: G | None}) it gives the job its new size. Slurm
+        changes neither of a running job, only once it is pending again.
         """
         record = self.slurm.job(job_id) or {}
         restarts = int(record.get("Restarts", 0) or 0)
         faults.point(self.config, "requeue", self.node)
         requeued = self.slurm.requeue(job_id)
         argv = [sys.executable, "-I", "-m", "singularity_slurm.node.release", str(job_id), str(restarts)]
-        if exclude:
-            argv.append(",".join(exclude))
+        nodes = (resize or {}).get("nodes")
+        gpus = (resize or {}).get("gpus_per_node")
+        if exclude or resize:
+            argv.append(",".join(exclude or []))
+        if resize:
+            argv += [f"{nodes[0]}-{nodes[1]}" if nodes else "", str(gpus) if gpus else ""]
         with open(self.run_dir.parent / f"release-{job_id}.log", "ab") as log:
             subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
                              env=rootexec.service_env(os.environ), start_new_session=True, close_fds=True)
-        return {"requeued": requeued, "exclude": exclude or []}
+        return {"requeued": requeued, "exclude": exclude or [], **({"resize": resize} if resize else {})}
 
     def _check_trusted(self, job_id: int) -> None:
         """Refuse a job folder in the store that anyone but root could have written.
@@ -425,10 +444,11 @@ class CheckpointEngine:
                 try:
                     self.store.verify(manifest)
                 except CorruptCheckpoint as exc:
-                    raise RequestError(f"checkpoint {manifest.seq} of node rank {self.rank} refused: "
+                    raise RequestError(f"checkpoint {manifest.seq} of tree {self.rank} refused: "
                                        f"{exc.detail}") from exc
                 return manifest
-        raise RequestError(f"node rank {self.rank} has no checkpoint of generation {generation}")
+        raise RequestError(f"tree {self.rank} (a rank, or a node of the job) has no checkpoint of "
+                           f"generation {generation}")
 
     def generations(self, job_id: int, run: str | None = None) -> list[str]:
         """Generations this node committed, oldest first (multi-node checkpoints)."""

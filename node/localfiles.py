@@ -50,14 +50,15 @@ class Outcome:
             self.notices.append("(more notices left out)")
 
 
-def log_path(filelog_dir: Path, job_id: int) -> Path:
-    """The job's file log: one path for the job on every node, so restored processes find it.
+def log_path(filelog_dir: Path, job_id: int, tree: int = 0) -> Path:
+    """The file log of one of the job's process trees (`tree`: its rank, or its node's index): the
+    same path on every node, so restored processes find it wherever they land.
 
     The folder is the job's user's, so the job can write there as much as it likes: `filelog_dir`
     (`paths.filelog_dir`) lies on disk, not on the size-limited tmpfs that /run is on most systems,
     which the node's own daemons need.
     """
-    return filelog_dir / str(job_id) / LOG_NAME
+    return filelog_dir / str(job_id) / (LOG_NAME if tree == 0 else f"files-{tree}.log")
 
 
 def timeout_for(total_bytes: int) -> float:

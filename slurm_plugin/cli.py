@@ -230,6 +230,63 @@ def migrate(config_path: Path | None, job_id: int, exclude: str | None, no_wait:
         click.echo(json.dumps(reply, indent=2))
 
 
+def _node_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    low, _, high = text.partition("-")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give a node count (2) or a range (1-2)",
+                                 param_hint="--nodes") from None
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise click.BadParameter(f"{text!r}: counts start at 1, and MIN <= MAX", param_hint="--nodes")
+    return nodes
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--nodes", "nodes", metavar="N|MIN-MAX",
+              help="Nodes for the job from now on: a count, or a range Slurm may pick from when the job "
+                   "starts again [default: as now].")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), metavar="G",
+              help="GPUs (device proxies) on each node from now on [default: as now].")
+@click.option("--no-wait", is_flag=True, help="Return once the job is requeued.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_obj
+def resize(config_path: Path | None, job_id: int, nodes: str | None, gpus_per_node: int | None,
+           no_wait: bool, as_json: bool) -> None:
+    """Change the number of nodes and GPUs a distributed job runs on; its world size stays.
+
+    The job (a `singularityctl run --world-size N` job) is checkpointed at its distributed cut,
+    requeued with the new size (Slurm's own node count and gres request of the pending job), and
+    restored there: its N ranks are spread over the devices it gets, several ranks per device taking
+    turns when there are fewer devices than ranks (at most `[elastic] max_ranks_per_device`). Its
+    numbers do not change with its size. A size that cannot hold the world size (more nodes than
+    ranks, too many ranks per device), and a job that is not distributed, are refused before anything
+    stops. Only the job's owner, root and the operators named in `[admin] operators` may resize it.
+
+    \b
+    Examples:
+      singularityctl resize 42 --nodes 1               # all ranks onto one node
+      singularityctl resize 42 --nodes 1 --gpus-per-node 1
+      singularityctl resize 42 --nodes 1-2             # whatever Slurm can give, up to 2 nodes
+    """
+    from .jobctl import JobControl
+
+    size = _node_range(nodes)
+    if size is None and gpus_per_node is None:
+        raise click.UsageError("give --nodes, --gpus-per-node or both")
+    control = JobControl(_load(config_path), SlurmClient(), os.getuid(),
+                         say=(lambda m: None) if as_json else click.echo)
+    try:
+        reply = control.resize(job_id, size, gpus_per_node, wait=0 if no_wait else 180)
+    except SingularityError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(reply, indent=2))
+
+
 @main.command("agent-call", hidden=True)
 @click.argument("op")
 @click.argument("args", default="{}")

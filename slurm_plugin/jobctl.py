@@ -1,4 +1,4 @@
-"""`singularityctl checkpoint|migrate JOBID`: act on a running job through its node agent.
+"""`singularityctl checkpoint|migrate|resize JOBID`: act on a running job through its node agent.
 
 The owner's request travels as a job step (`srun --jobid=J --overlap`) to the job's batch node, where
 it talks to the job's node agent over its unix socket; Slurm lets a user start steps only in their own
@@ -156,6 +156,31 @@ class JobControl:
         call = self._step if self._owner(record) else self._through_redis
         reply = call(record, "migrate", {"exclude": exclude})
         self.say(f"checkpoint {reply['seq']} committed in {reply['seconds']:.1f}s; job requeued")
+        return self._running_again(job_id, restarts, reply, wait)
+
+    def resize(self, job_id: int, nodes: tuple[int, int] | None, gpus_per_node: int | None,
+               wait: float = 180.0) -> dict[str, Any]:
+        """Checkpoint a distributed job, requeue it with a new node count range and GPUs per node,
+        and (unless `wait` is 0) wait until it runs again; its launcher refuses a size that cannot
+        hold the job's world size, before anything stops."""
+        from singularity_slurm.coordinator.commands import Refused, resize_args
+
+        try:
+            args = resize_args({"nodes": list(nodes) if nodes else None, "gpus_per_node": gpus_per_node})
+        except Refused as exc:
+            raise JobControlError(exc.reason) from None
+        record = self._check(job_id, "resize")
+        restarts = int(record.get("Restarts", 0) or 0)
+        self.say(f"resizing job {job_id} (now {record.get('NumNodes')} node(s) on "
+                 f"{record.get('NodeList')}): checkpointing...")
+        call = self._step if self._owner(record) else self._through_redis
+        reply = call(record, "resize", args)
+        self.say(f"checkpoint {reply['seq']} committed in {reply['seconds']:.1f}s; job requeued at its "
+                 "new size")
+        return self._running_again(job_id, restarts, reply, wait)
+
+    def _running_again(self, job_id: int, restarts: int, reply: dict[str, Any],
+                       wait: float) -> dict[str, Any]:
         if wait <= 0:
             return reply
         deadline = time.monotonic() + wait

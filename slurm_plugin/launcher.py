@@ -37,7 +37,7 @@ from typing import Any, TextIO
 from singularity_slurm import rpc
 from singularity_slurm.checkpoint.generation import Generation, newest_first
 from singularity_slurm.config import Config
-from singularity_slurm.coordinator.placement import PlacementError, place
+from singularity_slurm.coordinator.placement import PlacementError, check_size, place
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
 from singularity_slurm.slurmcli import SlurmClient, draining, expand_hostlist
@@ -264,7 +264,9 @@ class Launcher:
         self.config = config
         self.world_size = world_size
         self.attempt = 0
-        self.committed: list[str] = []  # generations every node committed, newest first (multi-node)
+        self.committed: list[str] = []  # generations every tree committed, newest first (multi-tree)
+        self.placement: dict[int, str] = {}  # rank -> proxy of the current start or restore
+        self.devices_per_node = 0  # device proxies each node of the job has (the fewest of them)
         self.output = env.get(FRONT_OUTPUT)
         self.env = front_environment(env)
         self.info = job_info(self.env, config)
@@ -324,6 +326,12 @@ class Launcher:
             why = "; ".join(f"{node}: {r.get('error')}" for node, r in failed)
             raise LaunchError(f"{op} failed on {why}", kinds.pop() if len(kinds) == 1 else None)
         return replies  # type: ignore[return-value]
+
+    @property
+    def multi_tree(self) -> bool:
+        """Whether the job runs more than one process tree: one per node, or one per rank (a
+        `--world-size` job). Its checkpoints are then generations that every tree commits."""
+        return self.info.multi_node or self.world_size is not None
 
     def every_node(self, op: str, payload: dict | None = None, timeout: float | None = None) -> list[dict]:
         """One request to this node's agent, or to every node's for a multi-node job."""
@@ -456,7 +464,10 @@ class Launcher:
 
     def _requeue_once(self, action: lifecycle.Requeue) -> list[str] | None:
         """One round of the requeue's ways; None once one took, else what each said."""
-        payload = {"exclude": list(action.exclude)}
+        payload: dict[str, Any] = {"exclude": list(action.exclude)}
+        if action.resize is not None:
+            payload["resize"] = {"nodes": list(action.resize.nodes) if action.resize.nodes else None,
+                                 "gpus_per_node": action.resize.gpus_per_node}
         problems = []
         if not action.through_slurm:
             try:
@@ -478,6 +489,7 @@ class Launcher:
         if requeued_now:
             self.say("requeued through Slurm, with its requeue delay"
                      + (f", and not kept off {','.join(action.exclude)}" if action.exclude else "")
+                     + (", at the size it had" if action.resize else "")
                      + f" (the node agent could not: {problems[-1]})")
         return None
 
@@ -531,20 +543,42 @@ class Launcher:
                 time.sleep(5)  # an agent that is away or refuses the poll: do not spin
                 continue
             if reply.get("command"):
-                command = reply["command"]
-                self.events.put(lifecycle.Command(str(command.get("op")), tuple(command.get("exclude") or ()),
-                                                  str(command.get("id") or "")))
+                self.events.put(self.command_event(reply["command"]))
+
+    def command_event(self, command: dict) -> lifecycle.Command:
+        """An admin request as the state machine's event; a resize this job cannot take is refused."""
+        op, ident = str(command.get("op")), str(command.get("id") or "")
+        if op != "resize":
+            return lifecycle.Command(op, tuple(command.get("exclude") or ()), ident)
+        nodes = command.get("nodes")
+        resize = lifecycle.Resize(tuple(nodes) if nodes else None, command.get("gpus_per_node"))
+        return lifecycle.Command(op, (), ident, resize=resize, refused=self.resize_refusal(resize))
+
+    def resize_refusal(self, resize: lifecycle.Resize) -> str | None:
+        """Why the job cannot run at `resize` (None: it can), said before anything stops."""
+        if self.world_size is None:
+            return ("resize: this job is not distributed (its `singularityctl run` has no --world-size): its "
+                    "process trees are one per node, and their number cannot change; use migrate to move it")
+        nodes = resize.nodes or (len(self.info.nodes) or 1,) * 2
+        per_node = resize.gpus_per_node if resize.gpus_per_node is not None else self.devices_per_node
+        try:
+            check_size(self.world_size, nodes, per_node, self.config.elastic.max_ranks_per_device)
+        except PlacementError as exc:
+            return f"resize to {resize.describe()}: {exc}"
+        return None
 
     def proxy_config(self) -> dict | None:
         """The rendezvous of a distributed job's proxies for this start or restore, or None."""
         if self.world_size is None:
             return None
         devices = [r["proxies"] for r in self.every_node("devices", timeout=120)]
+        self.devices_per_node = min((len(d) for d in devices), default=0)
         try:
-            placement = place(self.world_size, devices)
+            placement = place(self.world_size, devices, self.config.elastic.max_ranks_per_device)
         except PlacementError as exc:
             raise LaunchError(f"--world-size {self.world_size}: {exc}") from exc
         self.attempt += 1
+        self.placement = placement
         return {"generation": f"{self.info.restart_count}.{self.attempt}",
                 "placement": {str(r): d for r, d in placement.items()}}
 
@@ -557,12 +591,11 @@ class Launcher:
         if proxy is not None:
             env.update(distributed_environment(env, self.world_size or 1))
             payload["proxy"] = proxy
-            argv = [sys.executable, "-m", "singularity_slurm.interpose.spawn", "--", *argv]
         payload.update(argv=argv, env=env)
         self.every_node("start", payload, timeout=120)
         where = (f" on {len(self.info.nodes)} nodes ({','.join(self.info.nodes)})"
                  if self.info.multi_node else "")
-        ranks = f", {self.world_size} ranks" if self.world_size else ""
+        ranks = f", {self.size()}" if self.world_size else ""
         self.say(f"started {' '.join(argv)}{where} (tier {self.info.tier or 'unmanaged'}{ranks})")
 
     def job_stdout(self) -> str | None:
@@ -576,8 +609,8 @@ class Launcher:
 
     def restore(self) -> bool:
         self.say(f"restart {self.info.restart_count}: restoring the last checkpoint")
-        if self.info.multi_node:
-            return self.restore_all_nodes()
+        if self.multi_tree:
+            return self.restore_all_trees()
         try:
             reply = self.agent({"op": "restore", "run": self.run_key, "proxy": self.proxy_config()},
                                timeout=None)
@@ -594,33 +627,60 @@ class Launcher:
                  f"{lifecycle.mib(reply['logical_bytes'])}) in {reply['seconds']:.1f}s")
         return True
 
-    def restore_all_nodes(self) -> bool:
-        """Restore every node from the newest generation that every node committed and verifies."""
+    def tree_generations(self) -> list[set[str]]:
+        """The generations each of the job's trees committed: every rank's (read from the shared
+        store by this node's agent), or every node's (each from its own agent)."""
+        if self.world_size is not None:
+            reply = self.agent({"op": "generations", "run": self.run_key,
+                                "ranks": list(range(self.world_size))}, timeout=120)
+            return [set(generations) for generations in reply["ranks"].values()]
+        return [set(r["generations"]) for r in self.fanout("generations", {"run": self.run_key}, timeout=120)]
+
+    def restore_all_trees(self) -> bool:
+        """Restore every tree from the newest generation that every tree committed and verifies."""
         try:
-            per_node = [set(r["generations"]) for r in self.fanout("generations", {"run": self.run_key},
-                                                                  timeout=120)]
+            per_tree = self.tree_generations()
         except LaunchError as exc:
-            self.say(f"cannot list the nodes' checkpoints ({exc}): starting from the beginning")
+            self.say(f"cannot list the trees' checkpoints ({exc}): starting from the beginning")
             return False
-        common = newest_first(set.intersection(*per_node))
+        common = newest_first(set.intersection(*per_tree))
+        what = "distributed" if self.world_size is not None else "multi-node"
         for generation in common:
             try:
-                replies = self.fanout("restore", {"generation": generation, "run": self.run_key,
-                                                  "proxy": self.proxy_config()})
+                replies = self.every_node("restore", {"generation": generation, "run": self.run_key,
+                                                      "proxy": self.proxy_config()})
             except LaunchError as exc:
-                self.say(f"multi-node checkpoint {generation} refused: {exc}")
+                self.say(f"{what} checkpoint {generation} refused: {exc}")
                 try:
-                    self.fanout("kill", timeout=60)
+                    self.every_node("kill", timeout=60)
                 except LaunchError:
                     pass
                 continue
             self.committed = common[common.index(generation):]
             logical = sum(r["logical_bytes"] for r in replies)
-            self.say(f"restored multi-node checkpoint {generation} on {','.join(self.info.nodes)} "
-                     f"({lifecycle.mib(logical)}) in {max(r['seconds'] for r in replies):.1f}s")
+            was = next((r["placement"] for r in replies if r.get("placement")), None)
+            size = ""
+            if self.world_size is not None:
+                size = f": {self.size()}" + (f", was {self.size(was)}" if was else "")
+            nodes = ",".join(self.info.nodes or (self.info.node,))
+            self.say(f"restored {what} checkpoint {generation} on {nodes} ({lifecycle.mib(logical)}) in "
+                     f"{max(r['seconds'] for r in replies):.1f}s{size}")
             return True
-        self.say("no checkpoint that every node committed: starting from the beginning")
+        self.say(f"no checkpoint that every {'rank' if self.world_size is not None else 'node'} committed: "
+                 "starting from the beginning")
         return False
+
+    def size(self, was: dict | None = None) -> str:
+        """"4 ranks on 2 devices of 1 node (2 per device)" for this start or restore, or a checkpoint's."""
+        if was is None:
+            devices = set(self.placement.values())
+            ranks, nodes = len(self.placement), len({d.split("/", 1)[0] for d in devices})
+            count = len(devices)
+        else:
+            ranks, count, nodes = (int(was.get(k) or 0) for k in ("ranks", "devices", "nodes"))
+        per = f" ({-(-ranks // count)} per device)" if count and ranks > count else ""
+        return (f"{ranks} ranks on {count} device{'' if count == 1 else 's'} of {nodes} "
+                f"node{'' if nodes == 1 else 's'}{per}")
 
     def _wait_for_tree(self) -> None:
         try:
@@ -639,9 +699,8 @@ class Launcher:
 
     def has_checkpoint(self) -> bool:
         try:
-            if self.info.multi_node:
-                replies = self.fanout("generations", {"run": self.run_key}, timeout=120)
-                return bool(set.intersection(*(set(r["generations"]) for r in replies)))
+            if self.multi_tree:
+                return bool(set.intersection(*self.tree_generations()))
             return self.agent({"op": "latest", "run": self.run_key}).get("checkpoint") is not None
         except LaunchError:
             return False
@@ -649,13 +708,13 @@ class Launcher:
     def checkpoint(self, reason: str, stop: bool, timeout: float | None) -> dict:
         """Checkpoint the job's processes on every node; one summary."""
         payload = {"reason": reason, "stop": stop, "run": self.run_key}
-        if not self.info.multi_node:
+        if not self.multi_tree:
             summary = self.agent({"op": "checkpoint", **payload}, timeout=timeout)
         else:
             generation = str(Generation(self.info.restart_count, time.time_ns()))
             common = self.committed[:MAX_COMMON] or None
-            replies = self.fanout("checkpoint", {**payload, "generation": generation, "common": common},
-                                  timeout=timeout)
+            replies = self.every_node("checkpoint", {**payload, "generation": generation, "common": common},
+                                      timeout=timeout)
             self.committed.insert(0, generation)
             cuts = [r["cut_seconds"] for r in replies if r.get("cut_seconds") is not None]
             summary = {"seq": generation, "seconds": max(r["seconds"] for r in replies),

@@ -1,7 +1,7 @@
 """The launcher's decisions: a pure state machine, (state, event) -> (state, actions).
 
 `singularityctl run` reacts to a handful of things: the tree it started or restored, Slurm's warning
-signal, commands from admins (checkpoint, migrate), the periodic checkpoint timer, the outcome of the
+signal, commands from admins (checkpoint, migrate, resize), the periodic checkpoint timer, the outcome of the
 checkpoints and requeues it asked for, and the loss of its node agent. `step` decides what to do
 about each; `slurm_plugin.launcher` carries the actions out and feeds their outcomes back as
 events. Nothing here sleeps, reads a clock or does I/O, so every transition is a unit test.
@@ -11,7 +11,7 @@ The job's phases:
     STARTING      -> RUNNING (Started)             | STOPPING (Started, a warning came first)
                   -> REQUEUEING (StartFailed)
     RUNNING       -> CHECKPOINTING (periodic, manual)
-                  -> STOPPING (warning, migrate, a node of the job draining)
+                  -> STOPPING (warning, migrate, resize, a node of the job draining)
                                                    -> REQUEUEING (checkpoint committed or failed)
                   -> FINISHED (the command ended, or Slurm is ending the job and killed it)
                   -> REQUEUEING (killed after a checkpoint, proxy lost)
@@ -98,12 +98,35 @@ class PeriodicDue:
 
 
 @dataclass(frozen=True)
+class Resize:
+    """A new size for the job's next start: a node count range, devices on each node (None: as now)."""
+
+    nodes: tuple[int, int] | None = None
+    gpus_per_node: int | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.nodes is not None:
+            low, high = self.nodes
+            count = str(low) if low == high else f"{low}-{high}"
+            parts.append(f"{count} node{'' if high == 1 else 's'}")
+        if self.gpus_per_node is not None:
+            parts.append(f"{self.gpus_per_node} device{'' if self.gpus_per_node == 1 else 's'} per node")
+        return ", ".join(parts) or "the same size"
+
+
+@dataclass(frozen=True)
 class Command:
-    """An admin request relayed by the node agent: op is "checkpoint" or "migrate"."""
+    """An admin request relayed by the node agent: op is "checkpoint", "migrate" or "resize".
+
+    `refused`: why the launcher cannot carry it out (a resize that cannot hold the world size).
+    """
 
     op: str
     exclude: tuple[str, ...] = ()
     id: str = ""  # the agent's id of the request, which the answer names
+    resize: Resize | None = None
+    refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +174,7 @@ class Say:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    reason: str  # periodic | manual | preempt | migrate
+    reason: str  # periodic | manual | preempt | migrate | resize
     stop: bool
 
 
@@ -164,6 +187,7 @@ class Kill:
 class Requeue:
     exclude: tuple[str, ...] = ()
     through_slurm: bool = False  # the agent is gone: ask Slurm directly, as the job's user
+    resize: Resize | None = None  # the pending job's new size
 
 
 @dataclass(frozen=True)
@@ -206,6 +230,7 @@ class State:
     checkpoint_reason: str | None = None  # the checkpoint in flight
     command: Command | None = None  # the admin command in flight
     exclude: tuple[str, ...] = ()  # nodes a migration leaves
+    resize: Resize | None = None  # the size a resize in flight asks for
     stopped_at_checkpoint: bool = False  # the requeue in flight follows a committed stop-checkpoint
 
 
@@ -287,7 +312,13 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
         if event.op == "checkpoint":
             return (replace(state, phase=Phase.CHECKPOINTING, command=event, checkpoint_reason="manual"),
                     [Checkpoint("manual", stop=False)])
-        return state, [Answer(False, f"unknown command {event.op!r}; valid: checkpoint, migrate", event.id)]
+        if event.op == "resize":
+            if event.refused is not None or event.resize is None:
+                return state, [Answer(False, event.refused or "resize: no size given", event.id)]
+            new, actions = _stop(replace(state, command=event, resize=event.resize), "resize")
+            return new, [Say(f"resize to {event.resize.describe()} requested: checkpointing"), *actions[1:]]
+        return state, [Answer(False, f"unknown command {event.op!r}; valid: checkpoint, migrate, resize",
+                              event.id)]
 
     if isinstance(event, NodesDraining):
         if phase != Phase.RUNNING:
@@ -319,13 +350,15 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
         if phase != Phase.REQUEUEING:
             return state, []
         return replace(state, phase=Phase.REQUEUED), [Say("requeued" + (
-            f" away from {','.join(state.exclude)}" if state.exclude else ""))]
+            f" away from {','.join(state.exclude)}" if state.exclude else "") + (
+            f" to restart on {state.resize.describe()}" if state.resize else ""))]
 
     if isinstance(event, RequeueFailed):
         if phase == Phase.REQUEUEING and state.stopped_at_checkpoint:
             # The tree is stopped and its checkpoint committed: rather than end the job with its
             # work orphaned, it goes on here from that checkpoint.
-            return (replace(state, phase=Phase.STARTING, stopped_at_checkpoint=False, exclude=()),
+            return (replace(state, phase=Phase.STARTING, stopped_at_checkpoint=False, exclude=(),
+                            resize=None),
                     [Say(f"requeue failed: {event.error}; resuming here from the checkpoint just taken"),
                      ResumeHere()])
         return (replace(state, phase=Phase.FINISHED),
@@ -349,7 +382,7 @@ def _checkpoint_outcome(state: State, event: CheckpointDone | CheckpointFailed) 
                         Kill()]
         new = replace(state, phase=Phase.REQUEUEING, command=None, checkpoint_reason=None,
                       stopped_at_checkpoint=ok)
-        return new, [*actions, Requeue(state.exclude if ok else ())]
+        return new, [*actions, Requeue(state.exclude if ok else (), resize=state.resize if ok else None)]
     if state.phase != Phase.CHECKPOINTING:
         return state, []
     what = "requested checkpoint" if reason == "manual" else "periodic checkpoint"

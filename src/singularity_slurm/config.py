@@ -125,6 +125,7 @@ class ElasticConfig:
     """How jobs move between nodes on their own."""
 
     drain_poll_s: int = 30  # how often a job looks whether an admin drains one of its nodes (0: never)
+    max_ranks_per_device: int = 4  # ranks of a distributed job that may take turns on one device
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,10 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                              "seconds between a running job's looks at its nodes' state: a node an admin "
                              "drains (scontrol update State=DRAIN) has its Singularity jobs checkpointed and "
                              "requeued elsewhere; 0 = never"),
+    "elastic.max_ranks_per_device": (ElasticConfig.max_ranks_per_device, int,
+                                     "ranks of a --world-size job that may share one device (taking turns) "
+                                     "when it runs on fewer devices than ranks; a start, restore or resize "
+                                     "that would put more on a device is refused"),
     "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
                        "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
                        "cluster"),
@@ -360,10 +365,14 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                           "a job Slurm has not registered yet must not lose its folder")
 
     elastic_raw = data.get("elastic", {})
-    _check_keys(elastic_raw, {"drain_poll_s"}, "elastic")
+    _check_keys(elastic_raw, {"drain_poll_s", "max_ranks_per_device"}, "elastic")
     drain_poll_s = _take(elastic_raw, "drain_poll_s", "elastic", int, ElasticConfig.drain_poll_s)
     if not 0 <= drain_poll_s <= 86400:
         raise ConfigError(f"elastic.drain_poll_s must be 0..86400 seconds, got {drain_poll_s}")
+    max_per_device = _take(elastic_raw, "max_ranks_per_device", "elastic", int,
+                           ElasticConfig.max_ranks_per_device)
+    if not 1 <= max_per_device <= 1024:
+        raise ConfigError(f"elastic.max_ranks_per_device must be 1..1024, got {max_per_device}")
 
     testing_raw = data.get("testing", {})
     _check_keys(testing_raw, {"faults"}, "testing")
@@ -386,7 +395,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         admin=AdminConfig(operators=tuple(operators)),
         local_files=LocalFilesConfig(**limits),
         store=StoreConfig(**ages),
-        elastic=ElasticConfig(drain_poll_s=drain_poll_s),
+        elastic=ElasticConfig(drain_poll_s=drain_poll_s, max_ranks_per_device=max_per_device),
         testing=testing,
         source=source,
     )

@@ -189,6 +189,8 @@ class Jobs:
             record = self.record(job_id)
             if until(record):
                 return record
+            if record.get("JobState") == "FAILED":  # for good: nothing it waits for comes any more
+                pytest.fail(f"job {job_id} failed before it became {what}: {record}")
             if time.monotonic() > deadline:
                 pytest.fail(f"job {job_id} never became {what}: {record}")
             time.sleep(0.5)

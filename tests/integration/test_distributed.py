@@ -158,11 +158,11 @@ def test_ddp_on_two_nodes_survives_two_preemptions_and_a_migration_byte_identica
     assert all(len(socket_inodes(pid)) <= 1 for pid in pids)
 
     jobs.wait_state(preempt(jobs, "n1"), "COMPLETED", timeout=240)
-    wait_for_text(jobs, job_id, "restored multi-node checkpoint", 1)
+    wait_for_text(jobs, job_id, "restored distributed checkpoint", 1)
     wait_for_steps(jobs, job_id, 4, logged_steps(jobs, 4) + 5)
 
     jobs.wait_state(preempt(jobs, "n2"), "COMPLETED", timeout=240)
-    wait_for_text(jobs, job_id, "restored multi-node checkpoint", 2)
+    wait_for_text(jobs, job_id, "restored distributed checkpoint", 2)
     wait_for_steps(jobs, job_id, 4, logged_steps(jobs, 4) + 5)
 
     resume_spare(slurm, "n3", True)
@@ -170,7 +170,7 @@ def test_ddp_on_two_nodes_survives_two_preemptions_and_a_migration_byte_identica
         proc = subprocess.run(["runuser", "-u", jobs.user, "--", CTL, "migrate", str(job_id),
                                "--exclude", "n1"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
-        wait_for_text(jobs, job_id, "restored multi-node checkpoint", 3)
+        wait_for_text(jobs, job_id, "restored distributed checkpoint", 3)
         record = jobs.wait_state(job_id, "COMPLETED", timeout=300)
     finally:
         resume_spare(slurm, "n3", False)
@@ -180,6 +180,85 @@ def test_ddp_on_two_nodes_survives_two_preemptions_and_a_migration_byte_identica
     assert text.count("preemption warning") == 2
     assert "migration requested (away from n1)" in text
     assert "distributed cut in" in text
+    for rank in range(4):
+        assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
+
+
+def resize(user: str, job_id: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", user, "--", CTL, "resize", str(job_id), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_ddp_resized_to_one_node_then_one_device_and_back_to_two_nodes_is_byte_identical(
+        jobs, other_user, tmp_path):
+    """The world size stays 4 while the job runs on 2 nodes x 2 devices, 1 x 2, 1 x 1 (4 ranks taking
+    turns on one device) and 2 x 2 again; sizes it cannot take, and other users, are refused first."""
+    reference = reference_logs(tmp_path, "train_ddp.py", DDP_ARGS, world=4, per_proxy=1)
+    copy_example(jobs, "train_ddp.py")
+    job_id = jobs.submit(jobs.script("elastic.sh", job_script(
+        "basic", "#SBATCH --nodes=2 --gres=gpu:2", 4, f"train_ddp.py {' '.join(DDP_ARGS)} --sleep 0.25")))
+    wait_for_steps(jobs, job_id, 4, 6)
+
+    before = jobs.record(job_id)
+    refusals = [
+        (jobs.user, ["--nodes", "5"], "world size 4 cannot run on 5 nodes: every node runs at least one "
+                                      "rank; ask for at most 4 nodes"),
+        (other_user.pw_name, ["--nodes", "1"], f"job {job_id} belongs to {jobs.user}: you can only resize "
+                                            "your own jobs"),
+        (jobs.user, ["--nodes", "2-1"], "'2-1': counts start at 1, and MIN <= MAX"),
+    ]
+    for user, args, error in refusals:
+        proc = resize(user, job_id, *args)
+        assert proc.returncode != 0 and error in proc.stderr, (args, proc.stderr)
+    after = jobs.record(job_id)
+    assert (after["JobState"], after["Restarts"], after["NodeList"]) == ("RUNNING", before["Restarts"],
+                                                                         before["NodeList"])
+    assert "resize to" not in (jobs.workdir / "job.out").read_text()
+
+    sizes = [(["--nodes", "1"], "4 ranks on 2 devices of 1 node (2 per device), was 4 ranks on 4 devices "
+                                "of 2 nodes"),
+             (["--gpus-per-node", "1"], "4 ranks on 1 device of 1 node (4 per device), was 4 ranks on 2 "
+                                        "devices of 1 node (2 per device)"),
+             (["--nodes", "2", "--gpus-per-node", "2"], "4 ranks on 4 devices of 2 nodes, was 4 ranks on 1 "
+                                                        "device of 1 node (4 per device)")]
+    for count, (args, size) in enumerate(sizes, start=1):
+        proc = resize(jobs.user, job_id, *args)
+        assert proc.returncode == 0, proc.stderr
+        wait_for_text(jobs, job_id, "restored distributed checkpoint", count)
+        restored = [line for line in (jobs.workdir / "job.out").read_text().splitlines()
+                    if "restored distributed checkpoint" in line]
+        assert restored[-1].endswith(size), restored[-1]
+        wait_for_steps(jobs, job_id, 4, logged_steps(jobs, 4) + 3)
+    record = jobs.wait_state(job_id, "COMPLETED", timeout=300)
+
+    assert (record["NumNodes"], record["TresPerNode"]) == ("2", "gres:gpu:2")
+    text = (jobs.workdir / "job.out").read_text()
+    assert text.count("requested: checkpointing") == 3
+    for rank in range(4):
+        assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
+
+
+def test_a_job_that_allows_one_to_two_nodes_restarts_on_the_node_left_at_full_world_size(jobs, tmp_path):
+    """Preempted on 2 nodes while only one stays free, it does not wait for the second: Slurm starts
+    it on the one, and its 4 ranks restore there, 2 per device."""
+    reference = reference_logs(tmp_path, "train_ddp.py", DDP_ARGS, world=4, per_proxy=1)
+    copy_example(jobs, "train_ddp.py")
+    job_id = jobs.submit(jobs.script("range.sh", job_script(
+        "basic", "#SBATCH --nodes=1-2 --gres=gpu:2", 4, f"train_ddp.py {' '.join(DDP_ARGS)} --sleep 0.25")))
+    jobs.wait_state(job_id, "RUNNING")
+    wait_for_steps(jobs, job_id, 4, 6)
+    assert jobs.record(job_id)["NodeList"] == "n[1-2]"
+
+    long_urgent = URGENT.replace("sleep 2", "sleep 20")  # n2 stays taken while the job restarts
+    urgent = jobs.submit(jobs.script("urgent-long.sh", long_urgent), "--nodelist=n2")
+    wait_for_text(jobs, job_id, "restored distributed checkpoint", 1)
+    restored = next(line for line in (jobs.workdir / "job.out").read_text().splitlines()
+                    if "restored distributed checkpoint" in line)
+    assert restored.endswith("4 ranks on 2 devices of 1 node (2 per device), was 4 ranks on 4 devices of "
+                             "2 nodes"), restored
+    assert jobs.record(job_id)["NodeList"] == "n1"
+    jobs.wait_state(urgent, "COMPLETED", timeout=240)
+    jobs.wait_state(job_id, "COMPLETED", timeout=300)
     for rank in range(4):
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
 
@@ -195,7 +274,7 @@ def test_torchrun_with_a_slow_rank_zero_still_reaches_a_consistent_cut(jobs, tmp
     wait_for_steps(jobs, job_id, 4, 10)
     node = jobs.record(job_id)["NodeList"]
     jobs.wait_state(preempt(jobs, node), "COMPLETED", timeout=240)
-    wait_for_text(jobs, job_id, "restored checkpoint")
+    wait_for_text(jobs, job_id, "restored distributed checkpoint")
     jobs.wait_state(job_id, "COMPLETED", timeout=240)
     text = (jobs.workdir / "job.out").read_text()
     assert "distributed cut in" in text
@@ -214,7 +293,7 @@ def test_two_stage_pipeline_under_python_m_torch_distributed_run_survives_checkp
         runner=f"-- {PYTHON} -m torch.distributed.run --nnodes=2 --nproc-per-node=1")))
     wait_for_steps(jobs, job_id, 2, 8)
     jobs.wait_state(preempt(jobs, "n2"), "COMPLETED", timeout=240)
-    wait_for_text(jobs, job_id, "restored multi-node checkpoint")
+    wait_for_text(jobs, job_id, "restored distributed checkpoint")
     jobs.wait_state(job_id, "COMPLETED", timeout=240)
     for rank in range(2):
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
@@ -256,7 +335,8 @@ def test_every_collective_from_the_users_own_venv_with_2_and_4_ranks_survives_pr
         jobs.wait(job_id, lambda r, w=world: steps(w) >= 5, f"5 steps of {world} ranks", timeout=240)
         jobs.wait_state(preempt(jobs, jobs.record(job_id)["NodeList"]), "COMPLETED", timeout=240)
         out = jobs.workdir / f"job{world}.out"
-        jobs.wait(job_id, lambda r, o=out: "restored checkpoint" in o.read_text(), "restored", timeout=240)
+        jobs.wait(job_id, lambda r, o=out: "restored distributed checkpoint" in o.read_text(), "restored",
+                  timeout=240)
     for world in (4, 2):
         jobs.wait_state(ids[world], "COMPLETED", timeout=300)
         text = (jobs.workdir / f"job{world}.out").read_text()

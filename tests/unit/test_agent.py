@@ -86,7 +86,7 @@ def test_a_request_naming_its_own_job_is_served() -> None:
 
 
 VALID_OPS = ("checkpoint, command_done, devices, generations, kill, latest, launcher_checkpoint, migrate, "
-             "next_command, ping, requeue, restore, run_begin, run_end, start, status, wait")
+             "next_command, ping, requeue, resize, restore, run_begin, run_end, start, status, wait")
 
 
 @pytest.mark.parametrize(("request_", "shown"), [
@@ -364,8 +364,9 @@ class RecordingEngine:
         self.requests: list[dict] = []
         self.trees: list[subprocess.Popen] = []
 
-    def use_rank(self, rank: object) -> None:
+    def for_tree(self, rank: object) -> RecordingEngine:
         self.ranks.append(rank)
+        return self
 
     def begin(self, job_id: int) -> None:
         pass
@@ -501,7 +502,7 @@ def node_proxies(socket_dir: Path) -> Iterator[Callable[[list[str]], dict]]:
         proxy.close()
 
 
-def test_start_configures_every_proxy_and_gives_the_tree_this_nodes_ranks(
+def test_start_configures_every_proxy_and_starts_one_tree_per_rank_of_this_node(
         socket_dir: Path, node_proxies) -> None:
     proxies = node_proxies(["gpu0", "gpu1", "gpu2"])
     engine = RecordingEngine()
@@ -511,15 +512,101 @@ def test_start_configures_every_proxy_and_gives_the_tree_this_nodes_ranks(
         reply = state.handle({**START, "rank": 1, "proxy": {"generation": "g1", "placement": placement}},
                              JOB_UID)
 
-        assert reply == {"ok": True, "init_pid": engine.trees[0].pid}
-        assert engine.ranks == [1]
-        assert engine.requests[0]["env"] == {"A": "1", "SINGULARITY_LOCAL_RANKS": "0,1,2"}
+        pids = [tree.pid for tree in engine.trees]
+        assert reply == {"ok": True, "init_pid": pids[0], "trees": {"0": pids[0], "1": pids[1], "2": pids[2]}}
+        assert engine.ranks == [0, 1, 2]  # a rank is a tree: the node's index does not matter
+        assert [r["env"] for r in engine.requests] == [
+            {"A": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "3"}
+            for rank in range(3)]
+        assert state.op_status({})["trees"] == {"0": pids[0], "1": pids[1], "2": pids[2]}
         assert state.proxies == {"n9/gpu0": socket_dir / "proxy-gpu0.sock",
                                  "n9/gpu1": socket_dir / "proxy-gpu1.sock"}
         assert {device: (p.generation, p.local_ranks) for device, p in proxies.items()} == {
             "gpu0": ("g1", [0, 2]), "gpu1": ("g1", [1]), "gpu2": ("g1", [])}
     finally:
         state.op_kill({})
+
+
+class RankEngine(RecordingEngine):
+    """Each rank's tree runs `sh -c` with the command its env's RANK picks (default: sleep)."""
+
+    def __init__(self, commands: dict[str, str]) -> None:
+        super().__init__()
+        self.commands = commands
+        self.dumped: list[tuple[int, str | None]] = []
+
+    def tree_spec(self, request: dict, uid: int, job_id: int) -> SimpleNamespace:
+        self.requests.append(request)
+        return SimpleNamespace(argv=request["argv"], rank=request["env"]["RANK"])
+
+    def start(self, spec: SimpleNamespace, cgroups: list | None = None) -> tuple[int, Callable[[], int]]:
+        tree = subprocess.Popen(["sh", "-c", self.commands.get(spec.rank, "exec sleep 60")])
+        self.trees.append(tree)
+        return tree.pid, lambda: _status(tree.wait())
+
+    def checkpoint(self, job_id: int, uid: int, init_pid: int, **kwargs: object) -> dict:
+        self.dumped.append((init_pid, kwargs.get("generation")))  # type: ignore[arg-type]
+        return {"seq": 1, "logical_bytes": 10, "new_bytes": 4, "seconds": 0.5, "reason": kwargs["reason"]}
+
+
+def _status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def test_a_rank_that_fails_ends_the_nodes_other_ranks_and_its_status_is_the_nodes(
+        socket_dir: Path, node_proxies) -> None:
+    node_proxies(["gpu0", "gpu1"])
+    engine = RankEngine({"1": "sleep 0.3; exit 3"})
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    placement = {"0": "n9/gpu0", "1": "n9/gpu1", "2": "n9/gpu0"}
+
+    assert state.handle({**START, "proxy": {"generation": "g1", "placement": placement}}, JOB_UID)["ok"]
+    reply = state.handle({"op": "wait"}, JOB_UID)
+
+    assert reply == {"ok": True, "state": "exited", "exit_status": 3, "proxy_lost": None}
+    assert [tree.poll() for tree in engine.trees] == [-9, 3, -9]  # the others were ended, not waited for
+
+
+def test_the_ranks_of_a_node_are_checkpointed_together_as_one_generation(
+        socket_dir: Path, node_proxies) -> None:
+    node_proxies(["gpu0"])
+    engine = RankEngine({})
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    placement = {"0": "n9/gpu0", "1": "n9/gpu0"}
+    try:
+        assert state.handle({**START, "proxy": {"generation": "g1", "placement": placement}}, JOB_UID)["ok"]
+        state.proxies = {}  # no ranks connected to quiesce here: the dump alone is under test
+
+        # a node's own checkpoint request (singularityctl checkpoint) goes through the launcher,
+        # which names the generation every rank commits
+        refused = state.handle({"op": "checkpoint", "reason": "manual"}, JOB_UID)
+        assert refused == {"ok": False, "kind": "unavailable", "error": (
+            "job 7 has no launcher waiting for requests on n9 (not a `singularityctl run` job, or it is "
+            "starting or ending); try again once it runs")}
+        assert state.op_status({})["state"] == "running" and engine.dumped == []
+
+        reply = state.handle({"op": "checkpoint", "reason": "manual", "generation": "0.5"}, JOB_UID)
+        assert reply["ok"] and reply["trees"] == [0, 1]
+        assert (reply["logical_bytes"], reply["new_bytes"], reply["seconds"]) == (20, 8, 0.5)
+        assert sorted(engine.dumped) == sorted((t.pid, "0.5") for t in engine.trees)
+        assert state.op_status({})["state"] == "running"
+    finally:
+        state.op_kill({})
+
+
+def test_generations_of_named_ranks_come_from_each_ranks_store(tmp_path: Path) -> None:
+    class Stores(RecordingEngine):
+        def for_tree(self, rank: object) -> SimpleNamespace:
+            self.ranks.append(rank)
+            return SimpleNamespace(generations=lambda job_id, run: [f"g-{rank}"])
+
+    engine = Stores()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
+
+    assert state.handle({"op": "generations", "ranks": [0, 3]}, JOB_UID) == {
+        "ok": True, "ranks": {"0": ["g-0"], "3": ["g-3"]}}
+    assert state.handle({"op": "generations", "ranks": "0-3"}, JOB_UID) == {
+        "ok": False, "kind": "refused", "error": "generations: ranks must be a list of 1 to 4096 ranks"}
 
 
 def test_start_refused_by_a_proxy_names_it_and_starts_nothing(socket_dir: Path, node_proxies) -> None:
@@ -716,3 +803,23 @@ def test_a_poll_with_a_timeout_that_is_not_finite_is_refused(timeout: str) -> No
     assert reply == {"ok": False, "error": "next_command: timeout must be a number of seconds",
                      "kind": "refused"}
     assert state.launcher_polls_until == 0.0
+
+
+def test_a_placement_with_more_ranks_on_a_device_than_the_site_allows_starts_nothing(
+        socket_dir: Path, node_proxies) -> None:
+    from singularity_slurm.config import parse
+
+    node_proxies(["gpu0", "gpu1"])
+    engine = RankEngine({})
+    engine.config = parse({"elastic": {"max_ranks_per_device": 1}})  # type: ignore[attr-defined]
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    placement = {"0": "n9/gpu0", "1": "n9/gpu1", "2": "n9/gpu0"}
+
+    assert state.handle({**START, "proxy": {"generation": "g1", "placement": placement}}, JOB_UID) == {
+        "ok": False, "kind": "refused", "error": (
+            "the placement puts 2 ranks on one of n9's devices, more than [elastic] "
+            "max_ranks_per_device = 1")}
+    assert engine.trees == [] and state.op_status({})["state"] == "none"
+    huge = {str(r): "n9/gpu0" for r in range(4097)}
+    assert state.handle({**START, "proxy": {"generation": "g1", "placement": huge}}, JOB_UID)["error"] == (
+        "proxy.placement names 4097 ranks, more than 4096")

@@ -136,3 +136,20 @@ def test_a_project_error_no_command_caught_is_one_line_and_exit_1() -> None:
 
     assert result.exit_code == 1
     assert result.stderr == "singularityctl: error: first line; second line\n"
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    ([], "give --nodes, --gpus-per-node or both"),
+    (["--nodes", "two"], "Invalid value for --nodes: 'two': give a node count (2) or a range (1-2)"),
+    (["--nodes", "3-1"], "Invalid value for --nodes: '3-1': counts start at 1, and MIN <= MAX"),
+    (["--nodes", "0"], "Invalid value for --nodes: '0': counts start at 1, and MIN <= MAX"),
+    (["--gpus-per-node", "0"], "Invalid value for '--gpus-per-node': 0 is not in the range x>=1."),
+])
+def test_a_resize_without_a_valid_size_is_a_usage_error_that_asks_slurm_nothing(
+        args: list[str], error: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("singularity_slurm.slurm_plugin.cli.SlurmClient",
+                        lambda *a, **k: pytest.fail("Slurm must not be asked"))
+    result = CliRunner().invoke(main, ["resize", "7", *args])
+
+    assert result.exit_code == 2
+    assert error in result.output

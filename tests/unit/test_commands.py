@@ -120,8 +120,9 @@ def test_a_request_of_the_wrong_shape_is_refused(data: bytes, reason: str) -> No
 
 
 @pytest.mark.parametrize(("data", "reason"), [
-    (payload(op="kill"), "unknown op 'kill'; valid ops: checkpoint, migrate"),
-    (payload(op="launcher_checkpoint"), "unknown op 'launcher_checkpoint'; valid ops: checkpoint, migrate"),
+    (payload(op="kill"), "unknown op 'kill'; valid ops: checkpoint, migrate, resize"),
+    (payload(op="launcher_checkpoint"),
+     "unknown op 'launcher_checkpoint'; valid ops: checkpoint, migrate, resize"),
     (payload(args=[]), "args must be an object, got list"),
     (payload(args={"stop": True}), "checkpoint takes no arguments, got ['stop']"),
     (payload(op="migrate", args={}), "migrate takes exactly {exclude: [node names]}"),
@@ -650,3 +651,27 @@ def test_pop_bounded_returns_the_entry_its_size_or_none(live) -> None:
     assert pop_bounded(live.redis, key, 50) == 100
     assert pop_bounded(live.redis, key, 50) is None
     assert live.redis.llen(key) == 0
+
+
+@pytest.mark.parametrize("args", [
+    {"nodes": [1, 2], "gpus_per_node": None}, {"nodes": None, "gpus_per_node": 1},
+    {"nodes": [2, 2], "gpus_per_node": 4096}])
+def test_a_resize_request_names_a_node_range_or_gpus_per_node(args: dict) -> None:
+    from singularity_slurm.coordinator.commands import resize_args
+
+    assert resize_args(args) == args
+
+
+@pytest.mark.parametrize("args", [
+    {}, {"nodes": None, "gpus_per_node": None}, {"nodes": [2, 1], "gpus_per_node": None},
+    {"nodes": [0, 1], "gpus_per_node": None}, {"nodes": [1], "gpus_per_node": None},
+    {"nodes": ["1", "2"], "gpus_per_node": None}, {"nodes": [True, 2], "gpus_per_node": None},
+    {"nodes": None, "gpus_per_node": 4097}, {"nodes": None, "gpus_per_node": 1, "exclude": []},
+    [1, 2]])
+def test_a_malformed_resize_request_is_refused(args: object) -> None:
+    from singularity_slurm.coordinator.commands import Refused, resize_args
+
+    with pytest.raises(Refused) as info:
+        resize_args(args)
+    assert info.value.reason == ("resize takes {nodes: [MIN, MAX] or null, gpus_per_node: G or null} "
+                                 "(1..4096, MIN <= MAX), at least one of them")

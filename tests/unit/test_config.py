@@ -637,4 +637,11 @@ def test_the_drain_watch_interval_defaults_to_30_s_and_0_turns_it_off() -> None:
     assert config_error({"elastic": {"drain_poll_s": -1}}) == (
         "elastic.drain_poll_s must be 0..86400 seconds, got -1")
     assert config_error({"elastic": {"drain_poll": 5}}) == (
-        "unknown key(s) in [elastic]: drain_poll; valid keys: drain_poll_s")
+        "unknown key(s) in [elastic]: drain_poll; valid keys: drain_poll_s, max_ranks_per_device")
+
+
+def test_ranks_per_device_default_to_at_most_4_and_are_bounded() -> None:
+    assert parse({}).elastic.max_ranks_per_device == 4
+    assert parse({"elastic": {"max_ranks_per_device": 1}}).elastic.max_ranks_per_device == 1
+    assert config_error({"elastic": {"max_ranks_per_device": 0}}) == (
+        "elastic.max_ranks_per_device must be 1..1024, got 0")

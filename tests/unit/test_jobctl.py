@@ -9,7 +9,7 @@ import pytest
 from singularity_slurm import errors
 from singularity_slurm.config import parse
 from singularity_slurm.coordinator.commands import Request
-from singularity_slurm.node.release import exclude_argv, release_when_pending
+from singularity_slurm.node.release import exclude_argv, release_when_pending, resize_argvs
 from singularity_slurm.slurm_plugin import jobctl
 from singularity_slurm.slurm_plugin.jobctl import (
     JobControl,
@@ -269,3 +269,32 @@ def test_an_unreadable_password_file_tells_the_operator_what_to_ask_for(monkeypa
         "cannot read the Redis password file /etc/singularity-slurm/redis.password, through which root and "
         "operators act on other users' jobs: ask the admin for group read access (admin guide, "
         '"Operators")')
+
+
+def test_a_resized_job_gets_its_node_range_and_gpus_per_node_once_pending_again():
+    slurm = FakeSlurm([{"JobState": "COMPLETING", "Restarts": "0"},
+                       {"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"},
+                       {"JobState": "RUNNING", "Restarts": "1"}])
+    assert release_when_pending(slurm, 7, 0, sleep=_no_sleep, resize=resize_argvs(7, "1-2", "1")) is True
+    assert slurm.calls == [["scontrol", "update", "JobId=7", "NumNodes=1-2"],
+                           ["scontrol", "update", "JobId=7", "Gres=gpu:1"], ["release", 7]]
+
+
+def test_a_resize_names_only_what_changes():
+    assert resize_argvs(7, "", "2") == [["scontrol", "update", "JobId=7", "Gres=gpu:2"]]
+    assert resize_argvs(7, "3-3", "") == [["scontrol", "update", "JobId=7", "NumNodes=3-3"]]
+
+
+def test_a_resize_update_slurm_refuses_is_tried_again_while_the_job_is_pending():
+    class Refusing(FakeSlurm):
+        def run(self, argv, check=True):
+            super().run(argv)
+            if len(self.calls) == 1:
+                raise errors.SlurmError("slurm_update error: Requested node configuration is not available")
+
+    slurm = Refusing([{"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"},
+                      {"JobState": "PENDING", "Restarts": "1", "Reason": "BeginTime"},
+                      {"JobState": "RUNNING", "Restarts": "1"}])
+    assert release_when_pending(slurm, 7, 0, sleep=_no_sleep, resize=resize_argvs(7, "1-1", "")) is True
+    assert slurm.calls == [["scontrol", "update", "JobId=7", "NumNodes=1-1"],
+                           ["scontrol", "update", "JobId=7", "NumNodes=1-1"], ["release", 7]]

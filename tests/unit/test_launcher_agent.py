@@ -91,3 +91,23 @@ def test_a_busy_agent_is_retried_until_a_slot_frees(agent) -> None:
 
     assert launcher.agent({"op": "status"})["op"] == "status"
     waiter.join(10)
+
+
+def test_a_resize_is_refused_before_anything_stops_where_the_job_cannot_take_it(agent) -> None:
+    from singularity_slurm.slurm_plugin import lifecycle
+
+    launcher = agent(refuse(AssertionError("the agent is not asked")))
+    event = launcher.command_event({"op": "resize", "id": "r1", "nodes": [1, 1], "gpus_per_node": None})
+    assert event.refused is not None and event.refused.startswith("resize: this job is not distributed")
+
+    launcher.world_size, launcher.devices_per_node = 4, 2
+    launcher.placement = {0: "n4/gpu0", 1: "n4/gpu1", 2: "n5/gpu0", 3: "n5/gpu1"}
+    assert launcher.command_event({"op": "resize", "id": "r2", "nodes": [1, 1], "gpus_per_node": None}) == (
+        lifecycle.Command("resize", (), "r2", resize=lifecycle.Resize((1, 1), None)))
+    refused = launcher.command_event({"op": "resize", "id": "r3", "nodes": [1, 1], "gpus_per_node": 1})
+    assert refused.refused is None  # 4 ranks on one device: the default bound is 4
+    launcher.config = parse({"elastic": {"max_ranks_per_device": 2}})
+    refused = launcher.command_event({"op": "resize", "id": "r4", "nodes": None, "gpus_per_node": 1})
+    assert refused.refused == (
+        "resize to 1 device per node: 4 ranks on 1 device would put 4 ranks on one device, more than "
+        "[elastic] max_ranks_per_device = 2: give the job at least 2 devices")

@@ -20,6 +20,7 @@ from singularity_slurm.slurm_plugin.lifecycle import (
     Requeue,
     RequeueDone,
     RequeueFailed,
+    Resize,
     ResumeHere,
     Say,
     Started,
@@ -330,8 +331,47 @@ def test_a_command_outside_running_is_refused_with_the_phase(phase: Phase) -> No
 
 
 def test_an_unknown_command_is_refused_naming_the_valid_ones() -> None:
-    assert step(running(), Command("resize"))[1] == [
-        Answer(False, "unknown command 'resize'; valid: checkpoint, migrate")]
+    assert step(running(), Command("shrink"))[1] == [
+        Answer(False, "unknown command 'shrink'; valid: checkpoint, migrate, resize")]
+
+
+def test_a_resize_checkpoints_answers_then_requeues_with_the_new_size() -> None:
+    size = Resize((1, 2), 1)
+    state, actions = run(Command("resize", id="c2", resize=size), state=running())
+    assert state.phase == Phase.STOPPING
+    assert actions == [Say("resize to 1-2 nodes, 1 device per node requested: checkpointing"),
+                       Checkpoint("resize", stop=True)]
+
+    state, actions = run(TreeEnded("dumped", 0), CheckpointDone(SUMMARY), RequeueDone(), state=state)
+    assert without_says(actions) == [Answer(True, to="c2"), Requeue(resize=size)]
+    assert actions[-1] == Say("requeued to restart on 1-2 nodes, 1 device per node")
+    assert state.phase == Phase.REQUEUED
+
+
+def test_a_resize_the_launcher_refused_is_answered_and_changes_nothing() -> None:
+    state = running()
+    assert step(state, Command("resize", id="c3", resize=Resize((5, 5)), refused="world size 4 ...")) == (
+        state, [Answer(False, "world size 4 ...", to="c3")])
+
+
+def test_a_failed_resize_checkpoint_requeues_at_the_old_size_from_the_last_checkpoint() -> None:
+    state, actions = run(Command("resize", resize=Resize(None, 2)), CheckpointFailed("no cut"),
+                         state=running())
+    assert without_says(actions) == [Checkpoint("resize", stop=True), Answer(False, "no cut"), Kill(),
+                                     Requeue()]
+
+
+def test_a_requeue_that_fails_after_a_resize_checkpoint_resumes_here_at_the_old_size() -> None:
+    state, _ = run(Command("resize", resize=Resize((1, 1))), TreeEnded("dumped", 0), CheckpointDone(SUMMARY),
+                   RequeueFailed("slurmctld away"), state=running())
+    assert (state.phase, state.resize) == (Phase.STARTING, None)
+
+
+@pytest.mark.parametrize(("size", "text"), [
+    (Resize((2, 2)), "2 nodes"), (Resize((1, 1)), "1 node"), (Resize(None, 1), "1 device per node"),
+    (Resize((1, 3), 4), "1-3 nodes, 4 devices per node"), (Resize(), "the same size")])
+def test_a_size_reads_as_it_is_asked(size: Resize, text: str) -> None:
+    assert size.describe() == text
 
 
 def test_a_drained_node_moves_the_job_off_it_without_excluding_it_for_good() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from singularity_slurm.coordinator.placement import PlacementError, node_blocks, place, ranks_on
+from singularity_slurm.coordinator.placement import PlacementError, check_size, node_blocks, place, ranks_on
 
 
 def placement_error(call, *args) -> str:
@@ -117,3 +117,28 @@ def test_ranks_on_lists_the_ranks_of_the_devices_given_sorted() -> None:
 def test_ranks_on_devices_without_ranks_is_empty() -> None:
     assert ranks_on({0: "n1/gpu0"}, ["n2/gpu0"]) == []
     assert ranks_on({0: "n1/gpu0"}, []) == []
+
+
+# --- ranks sharing devices, sizes ----------------------------------------------------------------
+
+
+def test_ranks_beyond_the_devices_take_turns_up_to_the_configured_bound() -> None:
+    assert place(4, [["a/0"]], max_per_device=4) == {0: "a/0", 1: "a/0", 2: "a/0", 3: "a/0"}
+    assert place(5, [["a/0", "a/1"]], max_per_device=3) == {0: "a/0", 1: "a/1", 2: "a/0", 3: "a/1", 4: "a/0"}
+    assert placement_error(place, 5, [["a/0", "a/1"]], 2) == (
+        "5 ranks on 2 devices would put 3 ranks on one device, more than [elastic] max_ranks_per_device = "
+        "2: give the job at least 3 devices")
+
+
+def test_a_size_is_checked_at_every_node_count_of_its_range() -> None:
+    check_size(4, (1, 2), 2, max_per_device=2)
+    check_size(4, (4, 4), 1, max_per_device=1)
+    assert placement_error(check_size, 4, (1, 2), 1, 2) == (
+        "4 ranks on 1 device would put 4 ranks on one device, more than [elastic] max_ranks_per_device = "
+        "2: give the job at least 2 devices")
+    assert placement_error(check_size, 4, (1, 5), 1, 4) == (
+        "world size 4 cannot run on 5 nodes: every node runs at least one rank; ask for at most 4 nodes")
+    assert placement_error(check_size, 4, (2, 1), 1, 4) == (
+        "a node count range runs from 1 up (MIN <= MAX), got 2-1")
+    assert placement_error(check_size, 4, (1, 1), 0, 4) == (
+        "a distributed job needs at least one device per node, got 0")
