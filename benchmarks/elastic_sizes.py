@@ -1,0 +1,227 @@
+"""Step time of one distributed job at several sizes: the same N ranks on M devices, side by side.
+
+A resized job keeps its world size N and runs on however many devices M it gets; ranks that share a
+device take turns on it, so the ideal step time on M devices is N/M times the step time on N. This
+benchmark measures how close the device proxies come to that. It runs the DDP workload of
+proxy_vs_gloo.py (benchmarks/ddp_workload.py, through the interposed `singularity` backend and
+fresh `singularity-proxy` daemons, one per device) with N ranks on each device count of --devices,
+the counts in rotating order from round to round so a shared machine's drift hits all alike.
+
+On the host backend a "device" is a CPU: every rank placed on device d is pinned to CPU d (taskset),
+so ranks sharing a device share one core, as ranks sharing a GPU share its time. Reported per device
+count: the median step time over rounds, the slowdown against the run on the most devices measured
+(M_max: N itself where the machine has N CPUs), the ideal M_max/M, and the time-slicing overhead =
+slowdown / ideal (1.00: no cost beyond sharing the device). Needs
+root (the proxies' control socket is root-only) and at least max(--devices) CPUs. See
+benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import proxy_vs_gloo as base  # noqa: E402  (the benchmark this one builds on, beside it)
+
+REPO = base.REPO
+
+
+class PinnedRunner(base.Runner):
+    """proxy_vs_gloo's runner, with every rank pinned to the CPU that stands for its device."""
+
+    def spawn(self, argv: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen:
+        if log.name.startswith("rank-"):
+            rank = int(log.stem.removeprefix("rank-"))
+            device = int(base.placement(self.s.world_size, self.s.proxies)[rank].removeprefix("p"))
+            argv = ["taskset", "--cpu-list", str(device), *argv]
+        return super().spawn(argv, env, log)
+
+
+def plan(devices: Sequence[int], rounds: int) -> list[tuple[int, int]]:
+    """(round, device count) in run order: every count once per round, the order rotated each round."""
+    runs = []
+    for rnd in range(rounds):
+        shift = rnd % len(devices)
+        runs += [(rnd + 1, m) for m in [*devices[shift:], *devices[:shift]]]
+    return runs
+
+
+@dataclass(frozen=True)
+class Row:
+    devices: int
+    ranks_per_device: float
+    step_ms: float | None  # median over rounds
+    round_steps_ms: list[float]
+    slowdown: float | None  # step_ms / step_ms on the most devices measured (M_max)
+    ideal: float  # M_max / M
+    overhead: float | None  # slowdown / ideal
+    losses: list[float]  # distinct final losses on rank 0: one value when every size computed the same
+
+
+def summarize(runs: Sequence[tuple[int, base.Run]], world_size: int) -> list[Row]:
+    """Per device count; the baseline is the run on the most devices (N itself where measured)."""
+    counts = sorted({m for m, _ in runs}, reverse=True)
+    medians = {m: statistics.median([r.step_ms for n, r in runs if n == m]) for m in counts}
+    most = counts[0]
+    rows = []
+    for m in counts:
+        slowdown = medians[m] / medians[most] if medians[most] else None
+        ideal = most / m
+        rows.append(Row(m, round(world_size / m, 2), round(medians[m], 3),
+                        [round(r.step_ms, 3) for n, r in runs if n == m],
+                        round(slowdown, 3) if slowdown else None, round(ideal, 3),
+                        round(slowdown / ideal, 3) if slowdown else None,
+                        sorted({r.loss for n, r in runs if n == m})))
+    return rows
+
+
+def format_report(meta: Mapping[str, object], rows: Sequence[Row]) -> str:
+    lines = ["# Elastic sizes: one job's N ranks on M devices", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", "| devices | ranks per device | step (ms) | slowdown vs most devices | ideal | "
+              "time-slicing overhead |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row.devices} | {row.ranks_per_device:g} | {base._f(row.step_ms)} | "
+                     f"{base._f(row.slowdown)}x | {row.ideal:.2f}x | {base._f(row.overhead)} |")
+    losses = sorted({loss for row in rows for loss in row.losses})
+    lines += ["", "Final loss on rank 0 at every size: " + (
+        f"{losses[0]:.7g} (identical)" if len(losses) == 1 else " / ".join(f"{v:.7g}" for v in losses)),
+        "", "Per-round step times (ms): " + "; ".join(
+            f"{row.devices} device{'' if row.devices == 1 else 's'}: "
+            f"{', '.join(f'{v:.2f}' for v in row.round_steps_ms)}" for row in rows)]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = base._env
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=base._HelpFormatter,
+        epilog="Every option can also be set as BENCH_<OPTION> (e.g. BENCH_ROUNDS=5). The report (Markdown "
+               "on stdout, or JSON with --json) is also written to --results-dir/elastic_sizes-DATE-TIME.md "
+               "and .json; progress goes to stderr. Exit status: 0 ok, 1 a run failed, 2 bad options, "
+               "130 interrupted.")
+    parser.add_argument("--world-size", type=int, default=int(env("world_size", 4)), help="ranks (N)")
+    parser.add_argument("--devices", default=env("devices", "4,2,1"),
+                        help="device counts (M) to run the N ranks on, comma-separated; each divides N")
+    parser.add_argument("--hidden", type=int, default=int(env("hidden", 256)), help="MLP width")
+    parser.add_argument("--layers", type=int, default=int(env("layers", 3)), help="hidden Linear layers")
+    parser.add_argument("--batch", type=int, default=int(env("batch", 64)), help="samples per rank and step")
+    parser.add_argument("--steps", type=int, default=int(env("steps", 40)), help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=int(env("warmup", 5)), help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=int(env("rounds", 3)), help="rounds over all sizes")
+    parser.add_argument("--run-timeout", type=float, default=float(env("run_timeout", 300.0)),
+                        help="give up on one run after this many seconds")
+    parser.add_argument("--results-dir", type=Path,
+                        default=Path(env("results_dir", REPO / "benchmarks" / "results")),
+                        help="where the report is written")
+    parser.add_argument("--no-save", action="store_true", help="do not write the report files")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' work folder")
+    parser.add_argument("--json", dest="as_json", action="store_true",
+                        help="print JSON instead of the Markdown report")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    proxy_bin = Path(sys.executable).parent / "singularity-proxy"
+    try:
+        try:
+            devices = [int(d) for d in args.devices.split(",") if d.strip()]
+        except ValueError:
+            raise base.BenchmarkError(f"--devices {args.devices!r}: give device counts, e.g. 4,2,1") from None
+        if not devices or any(d < 1 or args.world_size % d for d in devices):
+            raise base.BenchmarkError(f"--devices {args.devices}: each count must divide --world-size "
+                                      f"{args.world_size}")
+        cpus = len(os.sched_getaffinity(0))
+        if max(devices) > cpus:
+            raise base.BenchmarkError(f"{max(devices)} devices need {max(devices)} CPUs to pin their ranks "
+                                      f"to; this machine gives {cpus}: use --devices up to {cpus}")
+        if shutil.which("taskset") is None:
+            raise base.BenchmarkError("taskset (util-linux) is missing: it pins each device's ranks to a CPU")
+        settings = base.Settings(args.world_size, max(devices), (args.hidden,), args.layers, args.batch,
+                                 args.steps, args.warmup, 0, args.rounds, 25.0, args.run_timeout,
+                                 sys.executable, str(proxy_bin))
+        if problems := base.settings_problems(settings):
+            raise base.BenchmarkError("; ".join(problems))
+        if os.geteuid() != 0:
+            raise base.BenchmarkError("run it as root: the proxies' control socket only takes root")
+        if not os.access(proxy_bin, os.X_OK):
+            raise base.BenchmarkError(f"{proxy_bin} is missing: run it with the project's venv python "
+                                      "(/opt/singularity-slurm/venv/bin/python) after `make install`")
+    except base.BenchmarkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    workdir = Path(tempfile.mkdtemp(prefix="elastic_sizes-"))
+    meta = {"date": stamp, "host": socket.gethostname(), "cpus": cpus, "commit": base._git_commit(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "world size": args.world_size, "devices": ",".join(map(str, devices)), "hidden": args.hidden,
+            "layers": args.layers, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+            "rounds": args.rounds, "load average before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    signal.signal(signal.SIGTERM, base._interrupted)
+    runs: list[tuple[int, base.Run]] = []
+    failed = False
+    started = time.monotonic()
+    runners: list[base.Runner] = []
+    try:
+        planned = plan(devices, args.rounds)
+        for i, (rnd, count) in enumerate(planned, 1):
+            runner = PinnedRunner(dataclasses.replace(settings, proxies=count), workdir / f"m{count}",
+                                  base._say)
+            runners.append(runner)
+            run = runner.run(rnd, args.hidden, base.PROXY, 1)
+            runs.append((count, run))
+            base._say(f"run {i}/{len(planned)}: round {rnd}, {args.world_size} ranks on {count} device(s): "
+                      f"step {run.step_ms:.2f} ms, {run.wall_s:.1f}s")
+    except KeyboardInterrupt:
+        base._say("interrupted")
+        return 130
+    except base.BenchmarkError as exc:
+        base._say(f"FAILED: {exc}")
+        failed = True
+    finally:
+        for runner in runners:
+            runner.stop_all()
+    meta["took"] = f"{time.monotonic() - started:.0f}s"
+    if not runs:
+        base._say(f"nothing measured; logs in {workdir}")
+        return 1
+    rows = summarize(runs, args.world_size)
+    report = format_report(meta, rows)
+    data = {"meta": {k: str(v) for k, v in meta.items()}, "sizes": [asdict(r) for r in rows],
+            "runs": [{"devices": m, **asdict(r)} for m, r in runs]}
+    print(json.dumps(data, indent=2) if args.as_json else report)
+    if not args.no_save:
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        md_path = args.results_dir / f"elastic_sizes-{stamp}.md"
+        md_path.write_text(report)
+        md_path.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+        base._say(f"report: {md_path} (JSON: {md_path.with_suffix('.json')})")
+    if failed or args.keep:
+        base._say(f"runs' logs: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
