@@ -237,7 +237,7 @@ class AgentState:
                                                   "LOCAL_RANK": str(local),
                                                   "LOCAL_WORLD_SIZE": str(len(ranks))}}
                         for local, rank in enumerate(ranks)}
-        engines = {index: engine.for_tree(index) for index in requests}
+        engines = {index: engine.for_tree(index, rank=ranks is not None) for index in requests}
         specs = {index: engines[index].tree_spec(req, self.job_uid, self.job_id)
                  for index, req in requests.items()}
         self.run_key = _run_key(request)
@@ -277,7 +277,7 @@ class AgentState:
                 indices = ranks
             else:
                 indices = [request.get("rank", 0)]
-            engines = {index: engine.for_tree(index) for index in indices}
+            engines = {index: engine.for_tree(index, rank=ranks is not None) for index in indices}
             for tree_engine in engines.values():
                 tree_engine.begin(self.job_id)
             self.run_key = _run_key(request)
@@ -502,7 +502,7 @@ class AgentState:
                 raise RequestError(f"job {self.job_id} is {self.state} on {self.node}: nothing to checkpoint")
             self.state = TreeState.CHECKPOINTING
             trees = list(self.trees.values())
-        if len(trees) > 1 and generation is None:
+        if generation is None and (len(trees) > 1 or self.size is not None):
             # The ranks of a distributed job are checkpointed as one generation, which its launcher
             # names (a node's own request, as `singularityctl checkpoint` sends it, goes through it).
             with self.lock:
@@ -662,7 +662,7 @@ class AgentState:
             return {"generations": engine.for_tree(request.get("rank", 0)).generations(self.job_id, run)}
         if not isinstance(ranks, list) or not ranks or len(ranks) > MAX_RANKS:
             raise RequestError(f"generations: ranks must be a list of 1 to {MAX_RANKS} ranks")
-        return {"ranks": {str(r): engine.for_tree(r).generations(self.job_id, run) for r in ranks}}
+        return {"ranks": {str(r): engine.for_tree(r, rank=True).generations(self.job_id, run) for r in ranks}}
 
     def op_latest(self, request: dict) -> dict:
         return {"checkpoint": self._need_engine().latest(self.job_id, _run_key(request))}

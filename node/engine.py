@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,25 +134,38 @@ class CheckpointEngine:
         self.slurm = slurm
         self.keep = keep
         self.rank = 0
+        self.shared = False  # a rank of a distributed job, in the folder the ranks share
+        # A node's trees are dumped at once but stored one after another: a rank stored after
+        # another dedups against everything the other stored (the replicas' identical pages).
+        self.upload_lock = threading.Lock()
         self.restart: int | None = None  # the job's Slurm restart count when the agent started
         # anonymous device numbers the tree's earlier incarnations mounted (see checkpoint.anondev)
         self.devices: list[int] = []
 
-    def for_tree(self, tree: int) -> CheckpointEngine:
-        """This engine for one of the job's process trees: a rank of a `--world-size` job, or the
-        node's one tree (its index among the job's nodes) otherwise.
+    def for_tree(self, tree: int, rank: bool = False) -> CheckpointEngine:
+        """This engine for one of the job's process trees: a rank of a `--world-size` job (`rank`),
+        or the node's one tree (its index among the job's nodes).
 
-        Trees keep their checkpoints apart: tree 0 (every single-node job) uses the store's root,
-        tree r > 0 uses ranks/r under it. The copy also keeps the tree's own device history.
+        The ranks of a distributed job share the job's folder at the store's root, and so one dedup
+        namespace (their replicas hold the same parameters), each checkpoint naming its rank. A
+        node's tree keeps its checkpoints apart: tree 0 (every single-node job) at the store's
+        root, tree r > 0 under ranks/r. The copy also keeps the tree's own device history.
         """
         if not isinstance(tree, int) or isinstance(tree, bool) or tree < 0:
             raise RequestError(f"rank must be a non-negative integer, got {tree!r}")
-        engine = copy.copy(self)
-        engine.rank = tree
+        engine = copy.copy(self)  # shares the upload lock: a node's trees store one after another
+        engine.rank, engine.shared = tree, rank
         root = self.config.paths.store_root
-        engine.store = job_store(root if tree == 0 else root / "ranks" / str(tree))
+        engine.store = job_store(root if tree == 0 or rank else root / "ranks" / str(tree))
         engine.devices = []
         return engine
+
+    def mine(self, run: str | None) -> Callable[[Manifest], bool]:
+        """This tree's checkpoints of a run (in a folder the ranks share: those of its rank)."""
+        of = of_run(run)
+        if not self.shared:
+            return of
+        return lambda manifest: of(manifest) and manifest.meta.get("rank") == self.rank
 
     def file_log(self, job_id: int) -> Path:
         return localfiles.log_path(self.config.paths.filelog_dir, job_id, self.rank)
@@ -250,13 +264,17 @@ class CheckpointEngine:
         generations the launcher knows every node committed, and the one it just wrote.
         """
         if generation is None:
-            self.store.prune(job_id, keep=self.keep)
+            if not self.shared:
+                self.store.prune(job_id, keep=self.keep)
+            else:  # the folder holds the other ranks' checkpoints too
+                own = [m.seq for m in self.store.list(job_id) if self.mine(run)(m)]
+                self.store.drop(job_id, own[:-self.keep])
             return
         if common is None:
             return
         keep = {generation, *newest_first(common)[:max(self.keep - 1, 1)]}
         doomed = [m.seq for m in self.store.list(job_id)
-                  if of_run(run)(m) and m.meta.get("generation") and m.meta["generation"] not in keep]
+                  if self.mine(run)(m) and m.meta.get("generation") and m.meta["generation"] not in keep]
         if doomed:
             self.store.drop(job_id, doomed)
 
@@ -273,12 +291,13 @@ class CheckpointEngine:
         try:
             local = localfiles.collect(self.file_log(job_id), creds,
                                        copies, self.config.local_files)
-            manifest = images.upload(self.store, job_id, work, reason, {
-                "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
-                "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
-                "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
-                "anon_devs": devices, **({"placement": size} if size else {}),
-            }, extra=local.entries, fault=lambda: faults.point(self.config, "store-write", self.node))
+            with self.upload_lock:
+                manifest = self._upload(job_id, work, reason, {
+                    "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
+                    "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
+                    "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
+                    "anon_devs": devices, **({"placement": size} if size else {}),
+                }, local.entries)
         finally:
             shutil.rmtree(copies, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
@@ -287,6 +306,11 @@ class CheckpointEngine:
         summary = summarize(manifest, time.monotonic() - started)
         self._index(lambda registry: registry.record_checkpoint(job_id, summary))
         return {**summary, "notices": local.notices} if local.notices else summary
+
+    def _upload(self, job_id: int, work: Path, reason: str, meta: dict[str, Any],
+                extra: dict[str, Path]) -> Manifest:
+        return images.upload(self.store, job_id, work, reason, meta, extra=extra,
+                             fault=lambda: faults.point(self.config, "store-write", self.node))
 
     def _index(self, action: Callable[[Registry], None]) -> None:
         """Update the Redis index; an outage costs `status` detail, never a checkpoint."""
@@ -317,7 +341,7 @@ class CheckpointEngine:
             else:
                 try:
                     manifest, corrupt = self.store.latest_valid(
-                        job_id, where=lambda m: of_run(run)(m) and m.seq not in tried)
+                        job_id, where=lambda m: self.mine(run)(m) and m.seq not in tried)
                 except NoCheckpoint as exc:
                     if not refused:
                         raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
@@ -440,7 +464,7 @@ class CheckpointEngine:
     def _generation(self, job_id: int, generation: str, run: str | None = None) -> Manifest:
         """This node's checkpoint of one multi-node checkpoint, verified."""
         for manifest in reversed(self.store.list(job_id)):
-            if manifest.meta.get("generation") == generation and of_run(run)(manifest):
+            if manifest.meta.get("generation") == generation and self.mine(run)(manifest):
                 try:
                     self.store.verify(manifest)
                 except CorruptCheckpoint as exc:
@@ -453,10 +477,10 @@ class CheckpointEngine:
     def generations(self, job_id: int, run: str | None = None) -> list[str]:
         """Generations this node committed, oldest first (multi-node checkpoints)."""
         return [m.meta["generation"] for m in self.store.list(job_id)
-                if m.meta.get("generation") and of_run(run)(m)]
+                if m.meta.get("generation") and self.mine(run)(m)]
 
     def latest(self, job_id: int, run: str | None = None) -> dict[str, Any] | None:
-        manifests = [m for m in self.store.list(job_id) if of_run(run)(m)]
+        manifests = [m for m in self.store.list(job_id) if self.mine(run)(m)]
         return summarize(manifests[-1]) if manifests else None
 
     # --- the job's runs ---------------------------------------------------------------------------

@@ -285,7 +285,13 @@ class Launcher:
         self.actions: queue.Queue[lifecycle.Action | None] = queue.Queue()
 
     def say(self, message: str) -> None:
-        self._say(f"[singularity] job {self.info.job_id} on {self.info.node}: {message}")
+        """One line per line of `message`, each starting "[singularity]" (criu's errors span several),
+        so the job's own output beside them stays recognisable."""
+        prefix = f"[singularity] job {self.info.job_id} on {self.info.node}:"
+        lines = [line for line in message.splitlines() if line.strip()] or [""]
+        self._say(f"{prefix} {lines[0]}")
+        for line in lines[1:]:
+            self._say(f"{prefix}   {line}")
 
     def agent(self, payload: dict, timeout: float | None = 30.0) -> dict:
         try:

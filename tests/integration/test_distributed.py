@@ -263,8 +263,21 @@ def test_a_job_that_allows_one_to_two_nodes_restarts_on_the_node_left_at_full_wo
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
 
 
+def stored_by_rank(job_id: int) -> dict[int, tuple[int, int]]:
+    """Rank -> (logical, stored) bytes of the job's first generation, read from the store as root."""
+    from singularity_slurm.checkpoint.store import CheckpointStore
+    from singularity_slurm.config import load
+
+    manifests = CheckpointStore(load().paths.store_root).list(job_id)
+    first = min(m.meta["generation"] for m in manifests if m.meta.get("generation"))
+    return {m.meta["rank"]: (m.logical_bytes, m.new_bytes) for m in manifests
+            if m.meta.get("generation") == first}
+
+
 def test_torchrun_with_a_slow_rank_zero_still_reaches_a_consistent_cut(jobs, tmp_path):
-    args = ["--steps", "40", "--slow-rank", "0", "--slow-sleep", "0.4"]
+    """Also reports what each of the 4 DDP replicas (16 MiB of parameters each, as much momentum)
+    stored in the folder the ranks share, against rank 0's."""
+    args = ["--steps", "40", "--slow-rank", "0", "--slow-sleep", "0.4", "--hidden", "2048"]
     reference = reference_logs(tmp_path, "train_ddp.py", args, world=4, per_proxy=4)
     copy_example(jobs, "train_ddp.py")
     torchrun = Path(CTL).with_name("torchrun")
@@ -275,6 +288,10 @@ def test_torchrun_with_a_slow_rank_zero_still_reaches_a_consistent_cut(jobs, tmp
     node = jobs.record(job_id)["NodeList"]
     jobs.wait_state(preempt(jobs, node), "COMPLETED", timeout=240)
     wait_for_text(jobs, job_id, "restored distributed checkpoint")
+    stored = stored_by_rank(job_id)  # before the job ends and its store folder goes
+    print("stored bytes per rank (logical, new):", stored)
+    ratios = [round(stored[r][1] / stored[0][1], 3) for r in (1, 2, 3)]
+    print("new bytes of ranks 1-3 against rank 0's:", ratios)
     jobs.wait_state(job_id, "COMPLETED", timeout=240)
     text = (jobs.workdir / "job.out").read_text()
     assert "distributed cut in" in text

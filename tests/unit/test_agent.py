@@ -364,8 +364,8 @@ class RecordingEngine:
         self.requests: list[dict] = []
         self.trees: list[subprocess.Popen] = []
 
-    def for_tree(self, rank: object) -> RecordingEngine:
-        self.ranks.append(rank)
+    def for_tree(self, tree: object, **kwargs: object) -> RecordingEngine:
+        self.ranks.append(tree)
         return self
 
     def begin(self, job_id: int) -> None:
@@ -596,9 +596,9 @@ def test_the_ranks_of_a_node_are_checkpointed_together_as_one_generation(
 
 def test_generations_of_named_ranks_come_from_each_ranks_store(tmp_path: Path) -> None:
     class Stores(RecordingEngine):
-        def for_tree(self, rank: object) -> SimpleNamespace:
-            self.ranks.append(rank)
-            return SimpleNamespace(generations=lambda job_id, run: [f"g-{rank}"])
+        def for_tree(self, tree: object, **kwargs: object) -> SimpleNamespace:
+            self.ranks.append(tree)
+            return SimpleNamespace(generations=lambda job_id, run: [f"g-{tree}"])
 
     engine = Stores()
     state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)

@@ -3,6 +3,7 @@ generation every node has; a restore takes only checkpoints of the job's own uid
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,45 @@ def test_a_checkpoint_of_another_uid_is_refused_as_a_reused_job_id(tmp_path: Pat
     with pytest.raises(RestoreRefused, match="holds the processes of uid 1001, and job 42 runs as uid 1000: "
                                              "the job id was used by an earlier job"):
         _check_taken_for(manifest, 1000)
+
+
+def rank_engines(tmp_path: Path, ranks: int, keep: int = 3) -> list[CheckpointEngine]:
+    from singularity_slurm.config import parse
+
+    config = parse({"paths": {"store_root": str(tmp_path / "store")}})
+    base = CheckpointEngine(config, "n1", tmp_path, CheckpointStore(tmp_path / "store"), None,  # type: ignore[arg-type]
+                            None, keep=keep)  # type: ignore[arg-type]
+    return [base.for_tree(r, rank=True) for r in range(ranks)]
+
+
+def commit_rank(engine: CheckpointEngine, generation: str, data: bytes) -> int:
+    meta = {"generation": generation, "run": RUN, "rank": engine.rank}
+    with engine.store.begin(JOB, reason="periodic", meta=meta) as writer:
+        writer.add_bytes("images/pages-1.img", data)
+        return writer.commit().new_bytes
+
+
+def test_the_ranks_of_a_distributed_job_share_one_folder_and_store_replicas_once(tmp_path: Path) -> None:
+    engines = rank_engines(tmp_path, 3)
+    replica = os.urandom(16384)  # 4 pages every rank holds alike (DDP parameters)
+    stored = [commit_rank(e, "1.1", replica + bytes([e.rank]) * 4096) for e in engines]
+
+    assert {e.store.job_dir(JOB) for e in engines} == {tmp_path / "store" / "jobs" / str(JOB)}
+    assert stored == [20480, 4096, 4096]  # after rank 0, only each rank's own page is new
+    assert [e.generations(JOB, RUN) for e in engines] == [["1.1"]] * 3
+    assert [e._generation(JOB, "1.1", RUN).meta["rank"] for e in engines] == [0, 1, 2]
+
+
+def test_a_rank_prunes_only_its_own_checkpoints_in_the_shared_folder(tmp_path: Path) -> None:
+    zero, one = rank_engines(tmp_path, 2, keep=1)
+    for i, generation in enumerate(["1.1", "1.2", "1.3"]):
+        commit_rank(zero, generation, bytes([i]) * 4096)
+    commit_rank(one, "1.1", b"x" * 4096)
+
+    zero._prune(JOB, "1.3", RUN, common=["1.2"])
+
+    assert zero.generations(JOB, RUN) == ["1.2", "1.3"]
+    assert one.generations(JOB, RUN) == ["1.1"]  # rank 1's checkpoint is rank 1's to drop
+
+    one._prune(JOB, None, RUN, common=None)  # a checkpoint without a generation keeps the newest few
+    assert one.generations(JOB, RUN) == ["1.1"] and zero.generations(JOB, RUN) == ["1.2", "1.3"]

@@ -111,3 +111,12 @@ def test_a_resize_is_refused_before_anything_stops_where_the_job_cannot_take_it(
     assert refused.refused == (
         "resize to 1 device per node: 4 ranks on 1 device would put 4 ranks on one device, more than "
         "[elastic] max_ranks_per_device = 2: give the job at least 2 devices")
+
+
+def test_every_line_the_launcher_prints_starts_with_its_mark(agent) -> None:
+    launcher = agent(refuse(AssertionError("the agent is not asked")))
+    launcher.say("periodic checkpoint failed: criu dump failed\n(00.05) Error (criu/seize.c:882): Zombies\n")
+
+    assert launcher.said == [
+        "[singularity] job 31 on n4: periodic checkpoint failed: criu dump failed",
+        "[singularity] job 31 on n4:   (00.05) Error (criu/seize.c:882): Zombies"]
