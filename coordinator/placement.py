@@ -58,6 +58,13 @@ def place(world_size: int, devices: Sequence[Sequence[str]],
     return placement
 
 
+def describe(ranks: int, devices: int, nodes: int) -> str:
+    """"4 ranks on 2 devices of 1 node (2 per device)": a distributed job's size, as users read it."""
+    per = f" ({-(-ranks // devices)} per device)" if devices and ranks > devices else ""
+    return (f"{ranks} ranks on {devices} device{'' if devices == 1 else 's'} of {nodes} "
+            f"node{'' if nodes == 1 else 's'}{per}")
+
+
 def check_size(world_size: int, nodes: tuple[int, int], devices_per_node: int, max_per_device: int) -> None:
     """Refuse a size (a node count range, devices on each node) that cannot hold the world size on
     any node count of the range: every node needs a rank, and no device more than `max_per_device`."""

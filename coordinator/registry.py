@@ -139,6 +139,14 @@ class Registry:
             {"event": "restore", "seq": seq, "node": node, "seconds": seconds, "refused": refused,
              "time": self.clock()}))
 
+    def record_size(self, job_id: int, node: str, how: str, size: dict, cause: str | None = None,
+                    was: dict | None = None) -> None:
+        """A distributed job's size at a start or restore (`how`), with what stopped it before (the
+        checkpoint's reason: preempt, resize, migrate...) and the size it had then."""
+        self.redis.rpush(keys.job_events(job_id), json.dumps(
+            {"event": "size", "how": how, "node": node, "size": size, "cause": cause, "was": was,
+             "time": self.clock()}))
+
     def checkpoints(self, job_id: int) -> list[dict]:
         return [json.loads(e) for e in self.redis.lrange(keys.job_checkpoints(job_id), 0, -1)]
 

@@ -37,7 +37,7 @@ from typing import Any, TextIO
 from singularity_slurm import rpc
 from singularity_slurm.checkpoint.generation import Generation, newest_first
 from singularity_slurm.config import Config
-from singularity_slurm.coordinator.placement import PlacementError, check_size, place
+from singularity_slurm.coordinator.placement import PlacementError, check_size, describe, place
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.jobenv import job_run_dir, resolve_tier
 from singularity_slurm.slurmcli import SlurmClient, draining, expand_hostlist
@@ -684,9 +684,7 @@ class Launcher:
             count = len(devices)
         else:
             ranks, count, nodes = (int(was.get(k) or 0) for k in ("ranks", "devices", "nodes"))
-        per = f" ({-(-ranks // count)} per device)" if count and ranks > count else ""
-        return (f"{ranks} ranks on {count} device{'' if count == 1 else 's'} of {nodes} "
-                f"node{'' if nodes == 1 else 's'}{per}")
+        return describe(ranks, count, nodes)
 
     def _wait_for_tree(self) -> None:
         try:

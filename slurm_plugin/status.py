@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from singularity_slurm.config import Config
+from singularity_slurm.coordinator.placement import describe
 from singularity_slurm.slurmcli import expand_hostlist, parse_gpu_count, parse_user
 
 
@@ -55,11 +56,13 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
         out["checkpoints"] = record.get("checkpoints", [])
         out["restores"] = [e for e in record.get("events", []) if e.get("event") == "restore"]
         out["failures"] = [e for e in record.get("events", []) if e.get("event") == "checkpoint_failed"]
+        out["sizes"] = [e for e in record.get("events", []) if e.get("event") == "size"]
     else:
         out["registry"] = None
     out.setdefault("checkpoints", [])
     out.setdefault("restores", [])
     out.setdefault("failures", [])
+    out.setdefault("sizes", [])
     out["managed"] = out.get("tier") is not None
     return out
 
@@ -89,6 +92,19 @@ def _mib(n: int | None) -> str:
     return f"{(n or 0) / (1 << 20):.1f} MiB"
 
 
+def _size_line(event: dict[str, Any]) -> str:
+    def text(size: Any) -> str:
+        try:
+            return describe(int(size["ranks"]), int(size["devices"]), int(size["nodes"]))
+        except (KeyError, TypeError, ValueError):
+            return "size unknown"
+
+    how = "started" if event.get("how") == "start" else "restored"
+    cause = f" after {event['cause']}" if event.get("cause") and how == "restored" else ""
+    was = f", was {text(event['was'])}" if event.get("was") else ""
+    return f"{how}{cause}: {text(event.get('size'))}{was}"
+
+
 def format_details(job: dict[str, Any]) -> str:
     """The checkpoints and restores of one job, below its table row."""
     lines = [format_table([job]), ""]
@@ -111,6 +127,11 @@ def format_details(job: dict[str, Any]) -> str:
             refused = "".join(f"; checkpoint {x['seq']} refused: {x['reason']}" for x in r.get("refused", []))
             lines.append(f"  {_when(r.get('time'))}  checkpoint {r.get('seq')} on {r.get('node')} "
                          f"in {r.get('seconds')}s{refused}")
+    sizes = job.get("sizes") or []
+    if sizes:
+        lines.append("sizes (a distributed job's starts and restores):")
+        for s in sizes:
+            lines.append(f"  {_when(s.get('time'))}  {_size_line(s)}")
     for failure in job.get("failures") or []:
         lines.append(f"checkpoint failed {_when(failure.get('time'))} on {failure.get('node')} "
                      f"({failure.get('reason')}): {failure.get('error')}")

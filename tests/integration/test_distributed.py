@@ -234,6 +234,10 @@ def test_ddp_resized_to_one_node_then_one_device_and_back_to_two_nodes_is_byte_i
     assert (record["NumNodes"], record["TresPerNode"]) == ("2", "gres:gpu:2")
     text = (jobs.workdir / "job.out").read_text()
     assert text.count("requested: checkpointing") == 3
+    status = subprocess.run([CTL, "status", str(job_id)], capture_output=True, text=True, timeout=60)
+    assert "started: 4 ranks on 4 devices of 2 nodes" in status.stdout, status.stdout
+    for _, size in sizes:
+        assert f"restored after resize: {size}" in status.stdout, status.stdout
     for rank in range(4):
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
 

@@ -40,7 +40,7 @@ def test_slurm_record_alone_gives_the_whole_view_without_registry() -> None:
         "job_id": 42, "name": "train", "user": "jobuser", "uid": 1001, "partition": "standard",
         "state": "RUNNING", "reason": None, "restart_count": 2, "requeue": True,
         "gpus_per_node": 2, "gpus": 4, "nodes": ["n1", "n2"], "tier": "standard",
-        "registry": None, "managed": True, "checkpoints": [], "restores": [], "failures": [],
+        "registry": None, "managed": True, "checkpoints": [], "restores": [], "failures": [], "sizes": [],
     }
 
 
@@ -100,7 +100,7 @@ def test_registry_record_alone_for_an_ended_job() -> None:
     assert job == {
         "job_id": 42, "user": "jobuser", "uid": 1001, "partition": "premium", "state": "ENDED",
         "restart_count": 1, "nodes": ["n1", "n2"], "tier": "premium", "managed": True,
-        "checkpoints": [], "restores": [], "failures": [],
+        "checkpoints": [], "restores": [], "failures": [], "sizes": [],
         "registry": {
             "state": "ended", "restart_count": 1, "first_started_at": 100.0, "started_at": 200.0,
             "ended_at": 300.0, "node_gpus": {"n2": ["0", "1"], "n1": ["2"]},
@@ -119,7 +119,7 @@ def test_sparse_registry_record_gets_defaults() -> None:
     assert job == {
         "job_id": 7, "user": None, "uid": None, "partition": None, "state": "UNKNOWN",
         "restart_count": 0, "nodes": [], "tier": None, "managed": False,
-        "checkpoints": [], "restores": [], "failures": [],
+        "checkpoints": [], "restores": [], "failures": [], "sizes": [],
         "registry": {"state": None, "restart_count": None, "first_started_at": None,
                      "started_at": None, "ended_at": None, "node_gpus": {}, "events": []},
     }
@@ -195,3 +195,22 @@ def test_checkpoints_and_restores_come_from_the_registry() -> None:
     details = format_details(job)
     assert "preempt" in details and "600.0 MiB" in details and "30.0 MiB" in details
     assert "checkpoint 3 on n2 in 2.5s" in details
+
+
+def test_a_distributed_jobs_sizes_and_their_causes_are_listed() -> None:
+    sizes = [
+        {"event": "size", "how": "start", "node": "n1", "size": {"ranks": 4, "devices": 4, "nodes": 2},
+         "cause": None, "was": None, "time": 300.0},
+        {"event": "size", "how": "restore", "node": "n1", "size": {"ranks": 4, "devices": 2, "nodes": 1},
+         "cause": "resize", "was": {"ranks": 4, "devices": 4, "nodes": 2}, "time": 400.0},
+        {"event": "size", "how": "restore", "node": "n1", "size": {"ranks": "x"}, "time": 500.0},
+    ]
+    job = merge_job(RUNNING, registry_record(events=sizes), CONFIG)
+
+    assert job["sizes"] == sizes
+    text = format_details(job)
+    assert "sizes (a distributed job's starts and restores):" in text
+    assert "started: 4 ranks on 4 devices of 2 nodes\n" in text
+    assert ("restored after resize: 4 ranks on 2 devices of 1 node (2 per device), was 4 ranks on 4 "
+            "devices of 2 nodes\n") in text
+    assert text.endswith("restored: size unknown")
