@@ -250,6 +250,7 @@ class AgentState:
             try:
                 for index, spec in specs.items():
                     pid, waiter = engines[index].start(spec, cgroups)
+                    self._note_tree(pid)
                     trees.append(Tree(index, engines[index], pid))
                     waiters.append(waiter)
             except BaseException:
@@ -259,6 +260,7 @@ class AgentState:
             self._running(trees, waiters)
         LOG.info("job %s node %s: started %s (trees %s)", self.job_id, self.node,
                  specs[next(iter(specs))].argv, {t.index: t.init_pid for t in trees})
+        self._record_size("start")
         return {"init_pid": self.init_pid, "trees": {str(t.index): t.init_pid for t in trees}}
 
     def op_restore(self, request: dict) -> dict:
@@ -289,6 +291,7 @@ class AgentState:
                     result = tree_engine.restore(self.job_id, self.job_uid, generation, self.run_key,
                                                  cgroups=cgroups)
                     self.restoring.append(result["init_pid"])
+                    self._note_tree(result["init_pid"])
                     trees.append(Tree(index, tree_engine, result["init_pid"]))
                     waiters.append(result.pop("waiter"))
                     results.append(result)
@@ -301,7 +304,17 @@ class AgentState:
             self._running(trees, waiters)
         LOG.info("job %s node %s: restored checkpoint %s (trees %s)", self.job_id, self.node,
                  [r["seq"] for r in results], [t.index for t in trees])
+        self._record_size("restore", results[0].get("reason"), results[0].get("placement"))
         return _merged(results, [t.index for t in trees])
+
+    def _record_size(self, how: str, cause: str | None = None, was: dict | None = None) -> None:
+        """For `status`: a distributed job's size at this start or restore, once per job (by the
+        node that runs rank 0)."""
+        index = getattr(self.engine, "_index", None)
+        size = self.size
+        if size is None or 0 not in self.trees or index is None:
+            return
+        index(lambda registry: registry.record_size(self.job_id, self.node, how, size, cause, was))
 
     def _job_cgroups(self) -> list[Path]:
         """The job's extern step cgroups, from the caller's (a process of a step of the job here).
@@ -453,8 +466,20 @@ class AgentState:
             for tree in self.trees.values():
                 _kill(tree.init_pid)
 
+    def _note_tree(self, pid: int) -> None:
+        """Note the tree for the Epilog, which ends it should this agent be killed before it can."""
+        if self.run_dir is None:
+            return
+        try:
+            services.note_tree(self.run_dir, pid)
+        except OSError as exc:
+            LOG.warning("job %s node %s: tree %s not noted for the Epilog: %s", self.job_id, self.node,
+                        pid, exc)
+
     def _reap(self, waiter, tree: Tree, epoch: int) -> None:
         status = waiter()
+        if self.run_dir is not None:
+            services.forget_tree(self.run_dir, tree.init_pid)
         with self.lock:
             if self.epoch != epoch:
                 return

@@ -118,6 +118,53 @@ def start(spec: ServiceSpec, run_dir: Path, env: dict[str, str] | None = None,
     return proc.pid
 
 
+# --- the job's trees -------------------------------------------------------------------------------
+# The agent notes each process tree of the job it starts or restores (the pid of its namespace init,
+# with the start time): a tree Slurm does not contain (no extern step cgroup, as when slurmd skipped
+# the Prolog at a quick requeue) would outlive an agent killed with SIGKILL, and the Epilog ends it.
+# The namespace's init is enough: when it dies the kernel kills every process of the namespace.
+
+TREE_SUFFIX = ".tree"
+
+
+def tree_note_path(run_dir: Path, pid: int) -> Path:
+    return run_dir / f"tree-{pid}{TREE_SUFFIX}"
+
+
+def note_tree(run_dir: Path, pid: int) -> None:
+    """Note a tree's namespace init (written whole, by rename)."""
+    start_time = proc_start_time(pid)
+    if start_time is None:
+        return  # it has ended already
+    path = tree_note_path(run_dir, pid)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": pid, "start_time": start_time}))
+    os.rename(tmp, path)
+
+
+def forget_tree(run_dir: Path, pid: int) -> None:
+    tree_note_path(run_dir, pid).unlink(missing_ok=True)
+
+
+def end_trees(run_dir: Path, timeout: float = 10.0) -> list[int]:
+    """SIGKILL every noted tree whose init still runs (its start time checked: a recycled pid is a
+    stranger), wait until they have ended (at most `timeout`), drop the notes. Returns the pids."""
+    live = []
+    for note in sorted(run_dir.glob(f"tree-*{TREE_SUFFIX}")):
+        entry = read_pidfile(note)
+        if entry is not None and entry[0] > 1 and proc_start_time(entry[0]) == entry[1]:
+            try:
+                os.kill(entry[0], signal.SIGKILL)
+                live.append(entry)
+            except ProcessLookupError:
+                pass
+        note.unlink(missing_ok=True)
+    deadline = time.monotonic() + timeout
+    while any(proc_start_time(pid) == start for pid, start in live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid, _ in live]
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of the group still runs. Members that ended but are not reaped yet do not
     count: a service's parent is init, which may reap only every second or two."""

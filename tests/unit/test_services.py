@@ -387,3 +387,61 @@ def test_start_time_of_no_process_is_none() -> None:
 
     assert proc_start_time(pid_max + 1) is None
 
+
+
+# --- the job's trees ------------------------------------------------------------------------------
+
+
+def test_end_trees_kills_a_noted_tree_and_drops_its_note(
+        run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+    tree = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    own_processes.append(tree)
+    run_dir.mkdir()
+    services.note_tree(run_dir, tree.pid)
+    assert services.tree_note_path(run_dir, tree.pid).exists()
+
+    assert services.end_trees(run_dir, timeout=5.0) == [tree.pid]
+
+    assert tree.wait(timeout=5) == -signal.SIGKILL
+    assert not list(run_dir.iterdir())
+
+
+def test_a_forgotten_tree_is_left_alone(run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+    tree = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    own_processes.append(tree)
+    run_dir.mkdir()
+    services.note_tree(run_dir, tree.pid)
+    services.forget_tree(run_dir, tree.pid)
+
+    assert services.end_trees(run_dir, timeout=0.5) == []
+    assert tree.poll() is None
+
+
+@pytest.mark.parametrize("content", [
+    lambda pid, start: {"pid": pid, "start_time": start + 1},  # a stranger got the recycled pid
+    lambda pid, start: {"pid": -1, "start_time": start},  # kill(-1) would end every process
+    lambda pid, start: {"pid": 0, "start_time": start},
+    lambda pid, start: "garbage",
+])
+def test_end_trees_never_signals_what_its_note_does_not_name_exactly(
+        run_dir: Path, own_processes: list[subprocess.Popen], content) -> None:
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    own_processes.append(stranger)
+    assert wait_for(lambda: alive(stranger.pid))
+    run_dir.mkdir()
+    note = services.tree_note_path(run_dir, stranger.pid)
+    note.write_text(json.dumps(content(stranger.pid, proc_start_time(stranger.pid))))
+
+    assert services.end_trees(run_dir, timeout=0.5) == []
+
+    assert stranger.poll() is None
+    assert not note.exists()
+
+
+def test_a_tree_that_ended_before_its_note_is_not_noted(run_dir: Path) -> None:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    run_dir.mkdir()
+    services.note_tree(run_dir, done.pid)
+
+    assert not list(run_dir.iterdir())
