@@ -54,11 +54,16 @@ FORMAT_VERSION = 1
 DEFAULT_MAX_CHUNK = 16 * 1024
 MAX_CHUNK_LENGTH = 1 << 30
 """No chunk is longer (writers cut far smaller ones): a manifest or pack index saying otherwise is corrupt."""
+READ_BLOCK = 1 << 20
+"""Bytes of a file a writer reads at once; its chunks are slices of them."""
+PACK_WRITE_BLOCK = 1 << 20
+"""Bytes of new chunks a writer gathers before it writes them to its pack."""
 DEFAULT_TMP_GRACE_S = 3600.0
 """Age after which a tmp entry counts as left behind by a dead writer (a live one writes far more often)."""
 
 _JOB_ID = re.compile(r"[0-9]{1,20}")
 _HASH = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"[0-9a-f]*")
 _MANIFEST_NAME = re.compile(r"([0-9]{8,})\.json")
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _MANIFEST_KEYS = {"format", "job_id", "seq", "created_at", "reason", "meta", "files", "logical_bytes",
@@ -300,17 +305,28 @@ def _file_from_doc(raw: Any) -> FileEntry:
     entry = _object(raw, _FILE_KEYS, "each file entry")
     path = check_relpath(entry["path"])
     size = _int(entry["size"], f"the size of {path}")
-    chunks = []
-    for chunk in _array(entry["chunks"], f"the chunks of {path}"):
-        if not (isinstance(chunk, list) and len(chunk) == 2 and isinstance(chunk[0], str)
-                and _HASH.fullmatch(chunk[0])):
-            raise ValueError(f"chunk {chunk!r} of {path} is not [32 hex digits, length]")
-        chunks.append(ChunkRef(chunk[0], _int(chunk[1], f"the length of chunk {chunk[0]}", low=1,
-                                                high=MAX_CHUNK_LENGTH)))
+    chunks = _chunks_from_doc(_array(entry["chunks"], f"the chunks of {path}"), path)
     if sum(c.length for c in chunks) != size:
         raise ValueError(f"the chunks of {path} add up to {sum(c.length for c in chunks)} bytes, "
                          f"not to its size {size}")
-    return FileEntry(path, _int(entry["mode"], f"the mode of {path}", high=0o7777), size, tuple(chunks))
+    return FileEntry(path, _int(entry["mode"], f"the mode of {path}", high=0o7777), size, chunks)
+
+
+def _chunks_from_doc(raw: list[Any], path: str) -> tuple[ChunkRef, ...]:
+    """A file's [hash, length] pairs, checked all at once (a pages image has one per page); where
+    one is wrong, the check again pair by pair names it."""
+    if all(type(c) is list and len(c) == 2 for c in raw):
+        hashes, lengths = [c[0] for c in raw], [c[1] for c in raw]
+        if (all(type(h) is str for h in hashes) and set(map(len, hashes)) <= {32}
+                and _HEX.fullmatch("".join(hashes)) and all(type(n) is int for n in lengths)
+                and (not lengths or (min(lengths) >= 1 and max(lengths) <= MAX_CHUNK_LENGTH))):
+            return tuple(map(ChunkRef, hashes, lengths))
+    for chunk in raw:
+        if not (isinstance(chunk, list) and len(chunk) == 2 and isinstance(chunk[0], str)
+                and _HASH.fullmatch(chunk[0])):
+            raise ValueError(f"chunk {chunk!r} of {path} is not [32 hex digits, length]")
+        _int(chunk[1], f"the length of chunk {chunk[0]}", low=1, high=MAX_CHUNK_LENGTH)
+    raise AssertionError("the chunks passed one check and failed the other")  # pragma: no cover
 
 
 def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
@@ -430,6 +446,9 @@ class CheckpointStore:
         self.max_chunk = max_chunk
         self._open_packs: dict[Path, int] = {}  # fds of packs read by the current verify or restore
         self._damaged: dict[Path, dict[str, str]] = {}  # packs folder -> index name -> why it was skipped
+        # index file -> ((its size, mtime, inode, its pack's size), entries): a published pack and its
+        # index never change, so an index is parsed again only when another file took its name
+        self._parsed: dict[Path, tuple[tuple[int, int, int, int | None], dict[str, tuple[int, int]]]] = {}
         # Pack mode: a writer appends its new chunks to one pack file (with a JSON index) instead of
         # one file per chunk, so page-sized chunks cost no more than big ones. Readers handle both.
         self.pack_chunks = pack_chunks
@@ -459,12 +478,21 @@ class CheckpointStore:
             names = sorted(os.listdir(folder))
         except FileNotFoundError:
             return index
+        present = set()
         for name in names:
             if not name.endswith(".idx"):
                 continue
-            pack = folder / (name[:-4] + ".pack")
+            pack, path = folder / (name[:-4] + ".pack"), folder / name
+            present.add(path)
             try:
-                entries = read_pack_index(folder / name, _size(pack))
+                info = os.stat(path)
+                key = (info.st_size, info.st_mtime_ns, info.st_ino, _size(pack))
+                cached = self._parsed.get(path)
+                if cached is not None and cached[0] == key:
+                    entries = cached[1]
+                else:
+                    entries = read_pack_index(path, key[3])
+                    self._parsed[path] = (key, entries)
             except OSError as exc:
                 damaged[name] = f"cannot be read ({exc})"
                 continue
@@ -473,6 +501,8 @@ class CheckpointStore:
                 continue
             for chunk_hash, (offset, length) in entries.items():
                 index.setdefault(chunk_hash, (pack, offset, length))
+        for gone in [path for path in self._parsed if path.parent == folder and path not in present]:
+            del self._parsed[gone]
         return index
 
     def damaged_indexes(self, job_id: int | str) -> list[Skipped]:
@@ -913,6 +943,10 @@ class CheckpointWriter:
             # Unbuffered: a full disk must fail the write of the chunk, inside _store_io, not a later flush.
             self._pack = open(self._tmp / "chunks.pack", "ab", buffering=0) if store.pack_chunks else None
         self._pack_entries: dict[str, list[int]] = {}
+        # Chunks go to the pack a block at a time, each write inside _store_io: a full disk fails
+        # the write that hits it, and the writer aborts at once.
+        self._pack_buffer = bytearray()
+        self._pack_offset = 0
         # Chunks the store already holds, loose or packed: dedup against them without a stat each.
         self._known: set[str] = (set(_chunk_files(self._dir / "chunks")) | set(store.pack_index(job_id))
                                  if store.pack_chunks else set())
@@ -963,12 +997,15 @@ class CheckpointWriter:
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidCheckpointRequest(f"{source_path} is not a regular file; only files are stored")
             chunks = []
-            for _, length in self._spans(path, info.st_size, boundaries):
-                data = source.read(length)
-                if len(data) != length:
-                    raise CheckpointError(f"{source_path} shrank while it was being stored; checkpoint again "
-                                          "once its writer has stopped")
-                chunks.append(self._put(data))
+            buffer, start = b"", 0  # the file's bytes from offset `start`, read a block at a time
+            for offset, length in self._spans(path, info.st_size, boundaries):
+                if offset + length > start + len(buffer):
+                    buffer = buffer[offset - start:] + source.read(max(READ_BLOCK, length))
+                    start = offset
+                    if offset + length > start + len(buffer):
+                        raise CheckpointError(f"{source_path} shrank while it was being stored; checkpoint "
+                                              "again once its writer has stopped")
+                chunks.append(self._put(memoryview(buffer)[offset - start:offset - start + length]))
         return self._record(path, stat.S_IMODE(info.st_mode), info.st_size, chunks)
 
     def add_bytes(self, relpath: str, data: bytes, *, mode: int = 0o644,
@@ -978,7 +1015,7 @@ class CheckpointWriter:
         chunks = [self._put(bytes(view[o:o + n])) for o, n in self._spans(path, len(view), boundaries)]
         return self._record(path, mode & 0o7777, len(view), chunks)
 
-    def _put(self, data: bytes) -> ChunkRef:
+    def _put(self, data: bytes | memoryview) -> ChunkRef:
         ref = ChunkRef(xxhash.xxh3_128_hexdigest(data), len(data))
         if ref.hash in self._refs:
             return ref
@@ -1003,8 +1040,11 @@ class CheckpointWriter:
         if ref.hash not in self._known:
             try:
                 with _store_io(self.store.root, f"store chunk {ref.hash} of job {self.job_id}"):
-                    self._pack_entries[ref.hash] = [self._pack.tell(), ref.length]
-                    self._pack.write(data)
+                    self._pack_entries[ref.hash] = [self._pack_offset, ref.length]
+                    self._pack_buffer += data
+                    self._pack_offset += ref.length
+                    if len(self._pack_buffer) >= PACK_WRITE_BLOCK:
+                        self._flush_pack()
             except StoreFull:
                 self.abort()
                 raise
@@ -1012,8 +1052,18 @@ class CheckpointWriter:
         self._refs[ref.hash] = ref.length
         return ref
 
+    def _flush_pack(self) -> None:
+        """Write the buffered chunks to the pack (the caller is inside _store_io)."""
+        view = memoryview(self._pack_buffer)
+        while view:
+            written = self._pack.write(view)
+            view = view[written:]
+        view.release()
+        self._pack_buffer.clear()
+
     def _publish_pack(self) -> None:
         """Move the pack and its index into packs/ (the index last: a pack without one is ignored)."""
+        self._flush_pack()
         self._pack.close()
         if not self._pack_entries:
             return
@@ -1043,9 +1093,12 @@ class CheckpointWriter:
                     raise CheckpointConflict(
                         f"job {self.job_id} was restarted (restart {fence.restart}) since this checkpoint "
                         f"of restart {mine} began; it is not committed")
+                chunks = self._dir / "chunks"
                 for chunk_hash, length in self._refs.items():
-                    path = self.store.chunk_path(self.job_id, chunk_hash)
-                    if _size(path) != length and packed.get(chunk_hash, (None, 0, -1))[2] != length:
+                    if packed.get(chunk_hash, (None, 0, -1))[2] == length:
+                        continue
+                    path = chunks / chunk_hash[:2] / chunk_hash
+                    if _size(path) != length:
                         raise CheckpointConflict(
                             f"chunk {path} vanished while job {self.job_id} was checkpointed (a prune or "
                             "another writer's abort ran meanwhile); checkpoint again"

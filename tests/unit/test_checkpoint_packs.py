@@ -43,6 +43,24 @@ def test_a_checkpoint_is_one_pack_and_one_index_and_restores_byte_identical(stor
     assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
 
 
+def test_a_file_of_many_read_and_write_blocks_is_stored_once_per_page_and_restores_exactly(store, tmp_path):
+    from singularity_slurm.checkpoint.store import PACK_WRITE_BLOCK, READ_BLOCK
+
+    memory = pages(3 * READ_BLOCK // PAGE + 7, 2)
+    memory[5 * PAGE:6 * PAGE] = memory[PAGE:2 * PAGE]  # a page repeated: stored once
+    source = tmp_path / "pages-1.img"
+    source.write_bytes(memory)
+    assert len(memory) > 2 * PACK_WRITE_BLOCK
+    with store.begin(7, reason="periodic") as writer:
+        # region starts that do not fall on a block boundary
+        writer.add_file("images/pages-1.img", source, boundaries=[3 * PAGE, READ_BLOCK + PAGE])
+        manifest = writer.commit()
+
+    assert manifest.new_bytes == len(memory) - PAGE
+    store.restore(manifest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
+
+
 def test_the_next_checkpoint_stores_only_the_pages_that_changed(store, tmp_path):
     memory = pages(50, 1)
     commit(store, {"images/pages-1.img": memory})

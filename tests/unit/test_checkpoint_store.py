@@ -478,6 +478,12 @@ def chunk_length(text: str, length: int) -> str:
     return json.dumps(doc)
 
 
+def chunk_entry(text: str, entry: object) -> str:
+    doc = json.loads(text)
+    doc["files"][0]["chunks"][0] = entry
+    return json.dumps(doc)
+
+
 def file_size(text: str, size: int) -> str:
     doc = json.loads(text)
     doc["files"][0]["size"] = size
@@ -498,6 +504,10 @@ BAD_MANIFESTS = {
     "negative length": (lambda text: chunk_length(text, -5), "is malformed: the length of chunk"),
     "huge length": (lambda text: chunk_length(text, 1 << 62), "is malformed: the length of chunk"),
     "huge size": (lambda text: file_size(text, 1 << 62), "is malformed: the chunks of a add up to"),
+    "bool length": (lambda text: chunk_length(text, True), "is malformed: the length of chunk"),
+    "upper-case hash": (lambda text: chunk_entry(text, ["A" * 32, 3]), "is malformed: chunk ["),
+    "long hash": (lambda text: chunk_entry(text, ["a" * 33, 3]), "is malformed: chunk ["),
+    "not a pair": (lambda text: chunk_entry(text, ["a" * 32, 3, 0]), "is malformed: chunk ["),
     "files not a list": (lambda text: rewrite(text, files={"a": 1}), "is malformed: files must be an array"),
 }
 
