@@ -68,6 +68,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +234,8 @@ class AgentState:
             requests = {node_index: request}
         else:  # one tree per rank, each with what torchrun gives a rank
             extra = {"SINGULARITY_RANK_DIR": self.rank_dir} if self.rank_dir is not None else {}
+            elastic = getattr(getattr(engine, "config", None), "elastic", None)
+            extra.update(replica_env(request.get("env") or {}, getattr(elastic, "replica_mmap_threshold", 0)))
             requests = {rank: {**request, "env": {**(request.get("env") or {}), **extra, "RANK": str(rank),
                                                   "LOCAL_RANK": str(local),
                                                   "LOCAL_WORLD_SIZE": str(len(ranks))}}
@@ -724,6 +727,18 @@ class AgentState:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING) or pid in self.restoring:
                 _kill(pid)
         self.op_kill({})
+
+
+def replica_env(env: Mapping[str, str], threshold: int) -> dict[str, str]:
+    """What the ranks of a distributed job get besides their own environment: glibc's fixed mmap
+    threshold, which turns off its dynamic one. Each large allocation then gets a mapping of its own,
+    and torch's 64-byte aligned tensor starts at the same place in its page in every replica; with
+    the threshold that follows each rank's own history (a rank that logs allocates more), the same
+    parameters and momentum lie at different offsets and no page of one replica is a page of
+    another. A job that tunes glibc's threshold itself keeps its setting."""
+    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in env or "mmap_threshold" in env.get("GLIBC_TUNABLES", ""):
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
 
 
 def _kill(pid: int) -> None:

@@ -125,7 +125,12 @@ class ElasticConfig:
     """How jobs move between nodes on their own."""
 
     drain_poll_s: int = 30  # how often a job looks whether an admin drains one of its nodes (0: never)
-    max_ranks_per_device: int = 4  # ranks of a distributed job that may take turns on one device
+    max_ranks_per_device: int = 4  # ranks of a distributed job that may share one device
+    replica_mmap_threshold: int = 131072  # glibc's mmap threshold in each rank (0: glibc's dynamic one)
+
+
+MAX_MMAP_THRESHOLD = 32 << 20
+"""glibc's largest mmap threshold on 64-bit systems (HEAP_MAX_SIZE / 2); it ignores larger values."""
 
 
 @dataclass(frozen=True)
@@ -216,9 +221,16 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                              "drains (scontrol update State=DRAIN) has its Singularity jobs checkpointed and "
                              "requeued elsewhere; 0 = never"),
     "elastic.max_ranks_per_device": (ElasticConfig.max_ranks_per_device, int,
-                                     "ranks of a --world-size job that may share one device (taking turns) "
+                                     "ranks of a --world-size job that may share one device "
                                      "when it runs on fewer devices than ranks; a start, restore or resize "
                                      "that would put more on a device is refused"),
+    "elastic.replica_mmap_threshold": (ElasticConfig.replica_mmap_threshold, int,
+                                       "bytes from which glibc gives each rank of a --world-size job an "
+                                       "allocation a mapping of its own (MALLOC_MMAP_THRESHOLD_, unless "
+                                       "the job sets it): every large tensor of the replicas then starts "
+                                       "at the same place in its page, and their checkpoints deduplicate "
+                                       "page by page; 0 = glibc's dynamic threshold (each rank's "
+                                       "allocation history places its tensors)"),
     "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
                        "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
                        "cluster"),
@@ -365,7 +377,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                           "a job Slurm has not registered yet must not lose its folder")
 
     elastic_raw = data.get("elastic", {})
-    _check_keys(elastic_raw, {"drain_poll_s", "max_ranks_per_device"}, "elastic")
+    _check_keys(elastic_raw, {"drain_poll_s", "max_ranks_per_device", "replica_mmap_threshold"}, "elastic")
     drain_poll_s = _take(elastic_raw, "drain_poll_s", "elastic", int, ElasticConfig.drain_poll_s)
     if not 0 <= drain_poll_s <= 86400:
         raise ConfigError(f"elastic.drain_poll_s must be 0..86400 seconds, got {drain_poll_s}")
@@ -373,6 +385,11 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                            ElasticConfig.max_ranks_per_device)
     if not 1 <= max_per_device <= 1024:
         raise ConfigError(f"elastic.max_ranks_per_device must be 1..1024, got {max_per_device}")
+    mmap_threshold = _take(elastic_raw, "replica_mmap_threshold", "elastic", int,
+                           ElasticConfig.replica_mmap_threshold)
+    if not (mmap_threshold == 0 or 4096 <= mmap_threshold <= MAX_MMAP_THRESHOLD):
+        raise ConfigError(f"elastic.replica_mmap_threshold must be 0 or 4096..{MAX_MMAP_THRESHOLD} bytes "
+                          f"(glibc's bound), got {mmap_threshold}")
 
     testing_raw = data.get("testing", {})
     _check_keys(testing_raw, {"faults"}, "testing")
@@ -395,7 +412,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         admin=AdminConfig(operators=tuple(operators)),
         local_files=LocalFilesConfig(**limits),
         store=StoreConfig(**ages),
-        elastic=ElasticConfig(drain_poll_s=drain_poll_s, max_ranks_per_device=max_per_device),
+        elastic=ElasticConfig(drain_poll_s=drain_poll_s, max_ranks_per_device=max_per_device,
+                              replica_mmap_threshold=mmap_threshold),
         testing=testing,
         source=source,
     )

@@ -28,6 +28,7 @@ from singularity_slurm.node.agent import (
     authorized,
     main,
     peer_credentials,
+    replica_env,
 )
 
 JOB_UID = 1001
@@ -525,6 +526,30 @@ def test_start_configures_every_proxy_and_starts_one_tree_per_rank_of_this_node(
             "gpu0": ("g1", [0, 2]), "gpu1": ("g1", [1]), "gpu2": ("g1", [])}
     finally:
         state.op_kill({})
+
+
+def test_every_rank_gets_glibcs_fixed_mmap_threshold_unless_the_job_sets_its_own(
+        socket_dir: Path, node_proxies) -> None:
+    from singularity_slurm.config import parse
+
+    node_proxies(["gpu0"])
+    placement = {"0": "n9/gpu0", "1": "n9/gpu0"}
+    for env, expected in (({"A": "1"}, "131072"), ({"MALLOC_MMAP_THRESHOLD_": "65536"}, "65536"),
+                          ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=8192"}, None)):
+        engine = RecordingEngine()
+        engine.config = parse({})  # type: ignore[attr-defined]
+        state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+        try:
+            request = {**START, "env": env, "proxy": {"generation": "g1", "placement": placement}}
+            state.handle(request, JOB_UID)
+            assert [r["env"].get("MALLOC_MMAP_THRESHOLD_") for r in engine.requests] == [expected] * 2
+        finally:
+            state.op_kill({})
+
+
+def test_replica_env_is_nothing_when_the_site_turns_it_off() -> None:
+    assert replica_env({}, 0) == {}
+    assert replica_env({}, 4096) == {"MALLOC_MMAP_THRESHOLD_": "4096"}
 
 
 class RankEngine(RecordingEngine):

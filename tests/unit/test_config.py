@@ -637,7 +637,8 @@ def test_the_drain_watch_interval_defaults_to_30_s_and_0_turns_it_off() -> None:
     assert config_error({"elastic": {"drain_poll_s": -1}}) == (
         "elastic.drain_poll_s must be 0..86400 seconds, got -1")
     assert config_error({"elastic": {"drain_poll": 5}}) == (
-        "unknown key(s) in [elastic]: drain_poll; valid keys: drain_poll_s, max_ranks_per_device")
+        "unknown key(s) in [elastic]: drain_poll; valid keys: drain_poll_s, max_ranks_per_device, "
+        "replica_mmap_threshold")
 
 
 def test_ranks_per_device_default_to_at_most_4_and_are_bounded() -> None:
@@ -645,3 +646,15 @@ def test_ranks_per_device_default_to_at_most_4_and_are_bounded() -> None:
     assert parse({"elastic": {"max_ranks_per_device": 1}}).elastic.max_ranks_per_device == 1
     assert config_error({"elastic": {"max_ranks_per_device": 0}}) == (
         "elastic.max_ranks_per_device must be 1..1024, got 0")
+
+
+@pytest.mark.parametrize("value, expected", [(None, 131072), (0, 0), (4096, 4096), (32 << 20, 32 << 20)])
+def test_the_replicas_mmap_threshold_defaults_to_128_kib_and_0_turns_it_off(value, expected) -> None:
+    raw = {} if value is None else {"elastic": {"replica_mmap_threshold": value}}
+    assert parse(raw).elastic.replica_mmap_threshold == expected
+
+
+@pytest.mark.parametrize("value", [1, 4095, (32 << 20) + 1, -1])
+def test_a_replicas_mmap_threshold_glibc_would_not_take_is_refused(value) -> None:
+    assert config_error({"elastic": {"replica_mmap_threshold": value}}) == (
+        f"elastic.replica_mmap_threshold must be 0 or 4096..33554432 bytes (glibc's bound), got {value}")
