@@ -233,6 +233,8 @@ class AgentState:
         if ranks is None:
             requests = {node_index: request}
         else:  # one tree per rank, each with what torchrun gives a rank
+            if not isinstance(request.get("env") or {}, dict):
+                raise RequestError("start needs env: an object of strings")
             extra = {"SINGULARITY_RANK_DIR": self.rank_dir} if self.rank_dir is not None else {}
             elastic = getattr(getattr(engine, "config", None), "elastic", None)
             extra.update(replica_env(request.get("env") or {}, getattr(elastic, "replica_mmap_threshold", 0)))
@@ -736,7 +738,11 @@ def replica_env(env: Mapping[str, str], threshold: int) -> dict[str, str]:
     the threshold that follows each rank's own history (a rank that logs allocates more), the same
     parameters and momentum lie at different offsets and no page of one replica is a page of
     another. A job that tunes glibc's threshold itself keeps its setting."""
-    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in env or "mmap_threshold" in env.get("GLIBC_TUNABLES", ""):
+    if not isinstance(env, Mapping):
+        return {}  # refused with the reason where the request's environment is checked
+    tunables = env.get("GLIBC_TUNABLES")
+    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in env or (isinstance(tunables, str)
+                                                            and "mmap_threshold" in tunables):
         return {}
     return {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
 

@@ -547,9 +547,24 @@ def test_every_rank_gets_glibcs_fixed_mmap_threshold_unless_the_job_sets_its_own
             state.op_kill({})
 
 
+def test_a_distributed_start_whose_environment_is_not_an_object_is_refused(
+        socket_dir: Path, node_proxies) -> None:
+    node_proxies(["gpu0"])
+    engine = RecordingEngine()
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    request = {**START, "env": ["A=1"], "proxy": {"generation": "g1", "placement": {"0": "n9/gpu0"}}}
+
+    assert state.handle(request, JOB_UID) == {"ok": False, "kind": "refused",
+                                              "error": "start needs env: an object of strings"}
+    assert engine.trees == []
+
+
 def test_replica_env_is_nothing_when_the_site_turns_it_off() -> None:
     assert replica_env({}, 0) == {}
     assert replica_env({}, 4096) == {"MALLOC_MMAP_THRESHOLD_": "4096"}
+    # what is not an environment is refused later, where the request is checked
+    assert replica_env(["A=1"], 4096) == {}  # type: ignore[arg-type]
+    assert replica_env({"GLIBC_TUNABLES": 7}, 4096) == {"MALLOC_MMAP_THRESHOLD_": "4096"}  # type: ignore[dict-item]
 
 
 class RankEngine(RecordingEngine):
