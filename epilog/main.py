@@ -30,12 +30,13 @@ def run(env: dict[str, str]) -> int:
     if run_dir.exists():
         # The agent first: it must not take the proxies' ends for a failure of the running job.
         stopped = services.stop_all(run_dir, first=[services.AGENT])
-        ended = services.end_trees(run_dir)  # those an agent that was killed could not end
-        if ended:
-            log.warning("ended the job's trees %s that outlived its agent", ended)
+        trees = services.end_trees(run_dir)  # those an agent that was killed could not end
+        if trees.ended:
+            log.warning("ended the job's trees %s that outlived its agent", trees.ended)
         left = [p.stem for p in run_dir.glob("*.pid") if services.running_pid(run_dir, p.stem)]
+        left += [f"tree {pid}" for pid in trees.left]
         if left:
-            log.error("services still running after stop: %s; leaving %s", left, run_dir)
+            log.error("still running after stop: %s; leaving %s", left, run_dir)
             status = 1
         else:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -255,12 +255,12 @@ class AgentState:
             try:
                 for index, spec in specs.items():
                     pid, waiter = engines[index].start(spec, cgroups)
-                    self._note_tree(pid)
                     trees.append(Tree(index, engines[index], pid))
                     waiters.append(waiter)
             except BaseException:
                 for tree in trees:  # all of the node's trees run, or none
                     _kill(tree.init_pid)
+                    self._forget(tree.init_pid)
                 raise
             self._running(trees, waiters)
         LOG.info("job %s node %s: started %s (trees %s)", self.job_id, self.node,
@@ -296,13 +296,13 @@ class AgentState:
                     result = tree_engine.restore(self.job_id, self.job_uid, generation, self.run_key,
                                                  cgroups=cgroups)
                     self.restoring.append(result["init_pid"])
-                    self._note_tree(result["init_pid"])
                     trees.append(Tree(index, tree_engine, result["init_pid"]))
                     waiters.append(result.pop("waiter"))
                     results.append(result)
             except BaseException:
                 for tree in trees:
                     _kill(tree.init_pid)
+                    self._forget(tree.init_pid)
                 raise
             finally:
                 self.restoring = []
@@ -471,20 +471,14 @@ class AgentState:
             for tree in self.trees.values():
                 _kill(tree.init_pid)
 
-    def _note_tree(self, pid: int) -> None:
-        """Note the tree for the Epilog, which ends it should this agent be killed before it can."""
-        if self.run_dir is None:
-            return
-        try:
-            services.note_tree(self.run_dir, pid)
-        except OSError as exc:
-            LOG.warning("job %s node %s: tree %s not noted for the Epilog: %s", self.job_id, self.node,
-                        pid, exc)
+    def _forget(self, pid: int) -> None:
+        """Drop the engine's note of a tree (for the Epilog) once it has ended or was ended here."""
+        if self.run_dir is not None:
+            services.forget_tree(self.run_dir, pid)
 
     def _reap(self, waiter, tree: Tree, epoch: int) -> None:
         status = waiter()
-        if self.run_dir is not None:
-            services.forget_tree(self.run_dir, tree.init_pid)
+        self._forget(tree.init_pid)
         with self.lock:
             if self.epoch != epoch:
                 return
@@ -854,6 +848,12 @@ def main(argv: list[str] | None = None) -> int:
         engine.restart = args.restart
         cut_timeout = float(engine.config.proxy.cut_timeout)
         rank_dir = str(rank_socket_dir(engine.config.paths.state_dir))
+    # Trees an earlier agent of the job started here and could not end (it was killed, and a later
+    # step of the job started this one): nothing manages them any more.
+    orphans = services.end_trees(args.socket.parent)
+    if orphans.ended or orphans.left:
+        LOG.warning("job %s node %s: ended trees %s of an earlier agent%s", args.job_id, args.node,
+                    orphans.ended, f"; still running: {orphans.left}" if orphans.left else "")
     state = AgentState(args.job_id, args.uid, args.node, engine, run_dir=args.socket.parent,
                        cut_timeout=cut_timeout, rank_dir=rank_dir)
     commands = admin_commands(state, engine.config, engine.slurm) if engine is not None else None

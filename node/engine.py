@@ -35,13 +35,14 @@ from singularity_slurm.errors import (
     ConfigError,
     CorruptCheckpoint,
     NoCheckpoint,
+    ServiceError,
     SingularityError,
 )
 from singularity_slurm.interpose import filelog
 from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
-from . import jobcgroup, jobtree, localfiles, restorecheck, runs
+from . import jobcgroup, jobtree, localfiles, restorecheck, runs, services
 from .userio import UserCreds
 
 KEEP_CHECKPOINTS = 3
@@ -52,6 +53,13 @@ scattered over its heap (reference counts, GC headers), so a 16 KiB chunk would 
 
 def job_store(root: Path) -> CheckpointStore:
     return CheckpointStore(root, max_chunk=PAGE_CHUNK, pack_chunks=True)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def _shell_status(code: int) -> int:
@@ -222,6 +230,13 @@ class CheckpointEngine:
         proc = jobtree.spawn(spec, cgroup_procs=jobcgroup.procs_files(cgroups or []))
         self.devices = []
         init_pid = jobtree.namespace_init(proc.pid)
+        try:  # for the Epilog, which ends the tree should the agent be killed first
+            services.note_tree(self.run_dir, init_pid, parent=proc.pid)
+        except ServiceError:
+            pass  # it has ended already (a command that fails at once): its waiter says how
+        except OSError as exc:
+            jobtree.kill_tree(init_pid)
+            raise CheckpointError(f"the job's tree could not be noted in {self.run_dir}: {exc}") from exc
         deadline = time.monotonic() + 10
         while not jobtree.user_init_started(init_pid, spec.uid) and proc.poll() is None:
             if time.monotonic() > deadline:
@@ -413,6 +428,15 @@ class CheckpointEngine:
             with anondev.reserved(devices, self.config.paths.state_dir / anondev.LOCK_NAME):
                 pid = self.criu.restore(image_dir, check=check)
             self.devices = devices
+            try:  # at once: the tree runs from here on
+                services.note_tree(self.run_dir, pid)
+            except ServiceError:
+                pass  # it has ended already: its waiter says how
+            except OSError as exc:
+                jobtree.kill_tree(pid)
+                _reap(pid)
+                raise CheckpointError(f"the restored tree could not be noted in {self.run_dir}: "
+                                      f"{exc}") from exc
         finally:
             shutil.rmtree(work, ignore_errors=True)
         localfiles.tell_job(creds, localfiles.output_of(pid), notices, f"{NOTICE}restore: ")

@@ -131,38 +131,77 @@ def tree_note_path(run_dir: Path, pid: int) -> Path:
     return run_dir / f"tree-{pid}{TREE_SUFFIX}"
 
 
-def note_tree(run_dir: Path, pid: int) -> None:
-    """Note a tree's namespace init (written whole, by rename)."""
+def note_tree(run_dir: Path, pid: int, parent: int | None = None) -> None:
+    """Note a tree's namespace init (written whole, by rename). `parent`: the init's parent when it
+    is not the caller's own child (a started tree's init is the child of `unshare`, the caller's
+    unreaped child): the start time read is the init's only if the pid is still that parent's child
+    after it was read. ServiceError if the init is gone already."""
     start_time = proc_start_time(pid)
-    if start_time is None:
-        return  # it has ended already
+    if start_time is None or (parent is not None and str(pid) not in _children(parent)):
+        raise ServiceError(f"the job's tree (pid {pid}) ended before it could be noted")
     path = tree_note_path(run_dir, pid)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"pid": pid, "start_time": start_time}))
+    os.chmod(tmp, 0o600)
     os.rename(tmp, path)
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
 
 
 def forget_tree(run_dir: Path, pid: int) -> None:
     tree_note_path(run_dir, pid).unlink(missing_ok=True)
 
 
-def end_trees(run_dir: Path, timeout: float = 10.0) -> list[int]:
-    """SIGKILL every noted tree whose init still runs (its start time checked: a recycled pid is a
-    stranger), wait until they have ended (at most `timeout`), drop the notes. Returns the pids."""
-    live = []
+@dataclass(frozen=True)
+class EndedTrees:
+    ended: list[int]  # noted trees that were running and were ended
+    left: list[int]  # noted trees still running after the timeout (their notes are kept)
+
+
+def end_trees(run_dir: Path, timeout: float = 10.0) -> EndedTrees:
+    """SIGKILL every noted tree whose init still runs, and wait until they have ended (at most
+    `timeout`). A note names its process exactly: the signal goes through a pidfd opened before the
+    start time is compared, so a pid recycled in between is never signalled. Notes of ended trees
+    (and of stale ones) are dropped."""
+    live: dict[Path, tuple[int, int]] = {}
     for note in sorted(run_dir.glob(f"tree-*{TREE_SUFFIX}")):
         entry = read_pidfile(note)
-        if entry is not None and entry[0] > 1 and proc_start_time(entry[0]) == entry[1]:
-            try:
-                os.kill(entry[0], signal.SIGKILL)
-                live.append(entry)
-            except ProcessLookupError:
-                pass
-        note.unlink(missing_ok=True)
+        if entry is not None and entry[0] > 1 and _kill_exactly(*entry):
+            live[note] = entry
+        else:
+            note.unlink(missing_ok=True)
     deadline = time.monotonic() + timeout
-    while any(proc_start_time(pid) == start for pid, start in live) and time.monotonic() < deadline:
+    while any(proc_start_time(pid) == start for pid, start in live.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return [pid for pid, _ in live]
+    left = []
+    for note, (pid, start) in live.items():
+        if proc_start_time(pid) == start:
+            left.append(pid)
+        else:
+            note.unlink(missing_ok=True)
+    return EndedTrees([pid for pid, _ in live.values() if pid not in left], left)
+
+
+def _kill_exactly(pid: int, start_time: int) -> bool:
+    """SIGKILL `pid` if it is the process that started at `start_time`; whether it was signalled."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return False
+    try:
+        if proc_start_time(pid) != start_time:
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _group_alive(pgid: int) -> bool:

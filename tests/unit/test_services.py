@@ -400,7 +400,7 @@ def test_end_trees_kills_a_noted_tree_and_drops_its_note(
     services.note_tree(run_dir, tree.pid)
     assert services.tree_note_path(run_dir, tree.pid).exists()
 
-    assert services.end_trees(run_dir, timeout=5.0) == [tree.pid]
+    assert services.end_trees(run_dir, timeout=5.0) == services.EndedTrees([tree.pid], [])
 
     assert tree.wait(timeout=5) == -signal.SIGKILL
     assert not list(run_dir.iterdir())
@@ -413,7 +413,7 @@ def test_a_forgotten_tree_is_left_alone(run_dir: Path, own_processes: list[subpr
     services.note_tree(run_dir, tree.pid)
     services.forget_tree(run_dir, tree.pid)
 
-    assert services.end_trees(run_dir, timeout=0.5) == []
+    assert services.end_trees(run_dir, timeout=0.5) == services.EndedTrees([], [])
     assert tree.poll() is None
 
 
@@ -432,16 +432,64 @@ def test_end_trees_never_signals_what_its_note_does_not_name_exactly(
     note = services.tree_note_path(run_dir, stranger.pid)
     note.write_text(json.dumps(content(stranger.pid, proc_start_time(stranger.pid))))
 
-    assert services.end_trees(run_dir, timeout=0.5) == []
+    assert services.end_trees(run_dir, timeout=0.5) == services.EndedTrees([], [])
 
     assert stranger.poll() is None
     assert not note.exists()
 
 
-def test_a_tree_that_ended_before_its_note_is_not_noted(run_dir: Path) -> None:
+def test_a_tree_that_ended_before_its_note_is_an_error_and_not_noted(run_dir: Path) -> None:
     done = subprocess.Popen(["true"])
     done.wait()
     run_dir.mkdir()
-    services.note_tree(run_dir, done.pid)
+    with pytest.raises(ServiceError, match=rf"tree \(pid {done.pid}\) ended before it could be noted"):
+        services.note_tree(run_dir, done.pid)
 
     assert not list(run_dir.iterdir())
+
+
+def test_a_tree_whose_pid_is_no_longer_its_parents_child_is_not_noted(
+        run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+    # A live process that is not the named parent's child: the pid was recycled after the init ended.
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    parent = subprocess.Popen(["sleep", "60"])
+    own_processes.extend([stranger, parent])
+    run_dir.mkdir()
+    with pytest.raises(ServiceError, match="ended before it could be noted"):
+        services.note_tree(run_dir, stranger.pid, parent=parent.pid)
+    assert not list(run_dir.iterdir())
+
+
+def test_a_noted_tree_names_its_parent_and_the_note_is_roots_alone(
+        run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+    parent = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    own_processes.append(parent)
+    run_dir.mkdir()
+    assert wait_for(lambda: services._children(parent.pid) != [])
+    child = int(services._children(parent.pid)[0])
+    services.note_tree(run_dir, child, parent=parent.pid)
+
+    note = services.tree_note_path(run_dir, child)
+    assert json.loads(note.read_text()) == {"pid": child, "start_time": proc_start_time(child)}
+    assert note.stat().st_mode & 0o777 == 0o600
+    assert services.end_trees(run_dir, timeout=5.0).ended == [child]
+
+
+def test_a_tree_that_outlives_the_wait_is_reported_and_keeps_its_note(
+        run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+    # A process that does not end within the wait (one in uninterruptible sleep) cannot be made
+    # here: the signal is left out instead, and the wait's end is what is checked.
+    tree = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    own_processes.append(tree)
+    run_dir.mkdir()
+    services.note_tree(run_dir, tree.pid)
+    kills = []
+    real = services._kill_exactly
+    try:
+        services._kill_exactly = lambda pid, start: kills.append(pid) or True  # signalled, yet it runs on
+        result = services.end_trees(run_dir, timeout=0.2)
+    finally:
+        services._kill_exactly = real
+
+    assert result == services.EndedTrees([], [tree.pid]) and kills == [tree.pid]
+    assert services.tree_note_path(run_dir, tree.pid).exists()
