@@ -493,3 +493,25 @@ def test_a_tree_that_outlives_the_wait_is_reported_and_keeps_its_note(
 
     assert result == services.EndedTrees([], [tree.pid]) and kills == [tree.pid]
     assert services.tree_note_path(run_dir, tree.pid).exists()
+
+
+def test_a_started_tree_is_noted_for_the_epilog_at_once_and_ended_from_its_note(tmp_path: Path) -> None:
+    """A real tree (own PID namespace, as nobody): the Epilog's `end_trees` finds it by its note alone."""
+    from singularity_slurm.checkpoint.store import CheckpointStore
+    from singularity_slurm.node import jobtree
+    from singularity_slurm.node.engine import CheckpointEngine
+
+    if os.geteuid() != 0:
+        pytest.skip("starting a tree in its own namespaces needs root")
+    store = CheckpointStore(tmp_path / "store", max_chunk=4096, pack_chunks=True)
+    engine = CheckpointEngine(None, "n1", tmp_path, store, None, None)  # type: ignore[arg-type]
+    spec = jobtree.TreeSpec(["sleep", "60"], 65534, 65534, "/", "/dev/null", {"PATH": "/usr/bin:/bin"})
+    init_pid, waiter = engine.start(spec)
+
+    note = services.tree_note_path(tmp_path, init_pid)
+    assert services.read_pidfile(note) == (init_pid, services.proc_start_time(init_pid))
+    ended = services.end_trees(tmp_path, timeout=10)
+
+    assert ended == services.EndedTrees([init_pid], [])
+    assert waiter() != 0  # the tree was ended, not finished
+    assert not note.exists()
