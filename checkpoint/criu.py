@@ -202,10 +202,10 @@ class Criu:
         finally:
             os.close(fd)
         if refusal is not None:
-            _reap(root_pid)
+            reap(root_pid)
             raise RestoreRefused(refusal)
         if not resp.success:
-            _reap(root_pid)
+            reap(root_pid)
             raise RestoreFailed(
                 f"criu restore from {images_dir} failed (errno {resp.cr_errno})\n"
                 f"{_log_tail(images_dir / 'restore.log')}"
@@ -238,8 +238,8 @@ def _receive(sock, rpc):
     return resp
 
 
-def _reap(pid: int) -> None:
-    """Collect a restored root criu killed (a child of this process, by rst_sibling)."""
+def reap(pid: int) -> None:
+    """Collect a restored root that was killed (a child of this process, by rst_sibling)."""
     if pid <= 0:
         return
     try:

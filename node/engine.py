@@ -24,6 +24,7 @@ from singularity_slurm.checkpoint.criu import (
     RestoreFailed,
     RestoreRefused,
     filelog_shim_path,
+    reap,
     wrapper_path,
 )
 from singularity_slurm.checkpoint.generation import newest_first
@@ -53,13 +54,6 @@ scattered over its heap (reference counts, GC headers), so a 16 KiB chunk would 
 
 def job_store(root: Path) -> CheckpointStore:
     return CheckpointStore(root, max_chunk=PAGE_CHUNK, pack_chunks=True)
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def _shell_status(code: int) -> int:
@@ -434,7 +428,7 @@ class CheckpointEngine:
                 pass  # it has ended already: its waiter says how
             except OSError as exc:
                 jobtree.kill_tree(pid)
-                _reap(pid)
+                reap(pid)
                 raise CheckpointError(f"the restored tree could not be noted in {self.run_dir}: "
                                       f"{exc}") from exc
         finally:

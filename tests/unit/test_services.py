@@ -392,12 +392,18 @@ def test_start_time_of_no_process_is_none() -> None:
 # --- the job's trees ------------------------------------------------------------------------------
 
 
-def test_end_trees_kills_a_noted_tree_and_drops_its_note(
-        run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+@pytest.fixture
+def noted_tree(run_dir: Path, own_processes: list[subprocess.Popen]) -> subprocess.Popen:
+    """A process standing in for a tree's namespace init, noted in run_dir as the engine notes one."""
     tree = subprocess.Popen(["sleep", "60"], start_new_session=True)
     own_processes.append(tree)
     run_dir.mkdir()
     services.note_tree(run_dir, tree.pid)
+    return tree
+
+
+def test_end_trees_kills_a_noted_tree_and_drops_its_note(run_dir: Path, noted_tree) -> None:
+    tree = noted_tree
     assert services.tree_note_path(run_dir, tree.pid).exists()
 
     assert services.end_trees(run_dir, timeout=5.0) == services.EndedTrees([tree.pid], [])
@@ -406,11 +412,8 @@ def test_end_trees_kills_a_noted_tree_and_drops_its_note(
     assert not list(run_dir.iterdir())
 
 
-def test_a_forgotten_tree_is_left_alone(run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
-    tree = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    own_processes.append(tree)
-    run_dir.mkdir()
-    services.note_tree(run_dir, tree.pid)
+def test_a_forgotten_tree_is_left_alone(run_dir: Path, noted_tree) -> None:
+    tree = noted_tree
     services.forget_tree(run_dir, tree.pid)
 
     assert services.end_trees(run_dir, timeout=0.5) == services.EndedTrees([], [])
@@ -476,20 +479,13 @@ def test_a_noted_tree_names_its_parent_and_the_note_is_roots_alone(
 
 
 def test_a_tree_that_outlives_the_wait_is_reported_and_keeps_its_note(
-        run_dir: Path, own_processes: list[subprocess.Popen]) -> None:
+        run_dir: Path, noted_tree, monkeypatch: pytest.MonkeyPatch) -> None:
     # A process that does not end within the wait (one in uninterruptible sleep) cannot be made
     # here: the signal is left out instead, and the wait's end is what is checked.
-    tree = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    own_processes.append(tree)
-    run_dir.mkdir()
-    services.note_tree(run_dir, tree.pid)
+    tree = noted_tree
     kills = []
-    real = services._kill_exactly
-    try:
-        services._kill_exactly = lambda pid, start: kills.append(pid) or True  # signalled, yet it runs on
-        result = services.end_trees(run_dir, timeout=0.2)
-    finally:
-        services._kill_exactly = real
+    monkeypatch.setattr(services, "_kill_exactly", lambda pid, start: kills.append(pid) or True)
+    result = services.end_trees(run_dir, timeout=0.2)
 
     assert result == services.EndedTrees([], [tree.pid]) and kills == [tree.pid]
     assert services.tree_note_path(run_dir, tree.pid).exists()
