@@ -7,11 +7,13 @@ import shutil
 import sys
 import time
 
+from singularity_slurm import rpc
 from singularity_slurm.config import load
 from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import RegistryError, SingularityError
 from singularity_slurm.jobenv import JobContext, job_run_dir
-from singularity_slurm.node import localfiles, retire, services
+from singularity_slurm.node import jobcgroup, localfiles, retire, services
+from singularity_slurm.node.agent import SETTLE_S
 from singularity_slurm.nodelog import node_logger
 from singularity_slurm.proxy import ranksock
 
@@ -28,13 +30,21 @@ def run(env: dict[str, str]) -> int:
     status = 0
     run_dir = job_run_dir(config.paths.state_dir, job.node, job.job_id)
     if run_dir.exists():
+        settle(run_dir, log)
         # The agent first: it must not take the proxies' ends for a failure of the running job.
         stopped = services.stop_all(run_dir, first=[services.AGENT])
         trees = services.end_trees(run_dir)  # those an agent that was killed could not end
         if trees.ended:
             log.warning("ended the job's trees %s that outlived its agent", trees.ended)
+        # What is left in the cgroups below the job's extern step: the trees live there, out of reach
+        # of Slurm's own kill, and the job's user may have made cgroups of their own there.
+        swept = jobcgroup.end_below_extern(jobcgroup.noted_externs(run_dir, job.job_id))
+        if swept.ended:
+            log.warning("ended processes %s left in the job's cgroups %s", swept.ended,
+                        [str(c) for c in swept.cgroups])
         left = [p.stem for p in run_dir.glob("*.pid") if services.running_pid(run_dir, p.stem)]
         left += [f"tree {pid}" for pid in trees.left]
+        left += [f"process {pid} in the job's cgroups" for pid in swept.left]
         if left:
             log.error("still running after stop: %s; leaving %s", left, run_dir)
             status = 1
@@ -53,6 +63,21 @@ def run(env: dict[str, str]) -> int:
     except OSError as exc:
         log.warning("store sweep not started: %s", exc)
     return status
+
+
+def settle(run_dir, log) -> None:
+    """Let a checkpoint in progress finish before the agent is stopped: at `scontrol requeue` the
+    launcher begins one that Slurm may kill it during (after `KillWait`); the agent carries it on."""
+    if services.running_pid(run_dir, services.AGENT) is None:
+        return
+    try:
+        reply = rpc.call(run_dir / "agent.sock", {"op": "settle", "timeout": SETTLE_S},
+                         timeout=SETTLE_S + 30, service="the node agent")
+    except rpc.RpcError as exc:
+        log.warning("could not wait for the agent's checkpoint in progress: %s", exc)
+        return
+    if reply.get("state") == "checkpointing":
+        log.warning("the agent's checkpoint was still in progress after %.0fs; stopping it", SETTLE_S)
 
 
 def main() -> int:

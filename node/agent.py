@@ -92,6 +92,8 @@ MAX_RANKS = 4096
 """Ranks one generations request may name (a job's world size)."""
 MAX_COMMON = 16
 """Generations a checkpoint request may name as committed on every node (the launcher sends a few)."""
+SETTLE_S = 40.0
+"""The longest the Epilog waits for a checkpoint in progress before it stops the agent."""
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
 _CALL = threading.local()  # per request thread: where to register callbacks for after the reply
 LOG = logging.getLogger("singularity.agent")
@@ -327,9 +329,19 @@ class AgentState:
         A caller outside every step of the job, where the job has an extern step on this node, is
         refused: what it started would not be the job's own tree."""
         pid = getattr(_CALL, "peer_pid", None)
-        found = jobcgroup.targets_of(pid, self.job_id) if pid else []
+        problems: list[str] = []
+        found = jobcgroup.targets_of(pid, self.job_id, problems) if pid else []
+        for problem in problems:
+            LOG.warning("job %s node %s: %s; the tree stays in the extern step itself, where Slurm's "
+                        "SIGTERM at a requeue reaches it", self.job_id, self.node, problem)
         if found:
             self.cgroups = found
+            if self.run_dir is not None:
+                try:
+                    jobcgroup.note_externs(self.run_dir, found)  # what the Epilog sweeps
+                except OSError as exc:
+                    LOG.warning("job %s node %s: cannot note the job's cgroups: %s", self.job_id,
+                                self.node, exc)
             return found
         if pid and not jobcgroup.caller_in_a_step(pid, self.job_id) and jobcgroup.extern_steps(self.job_id):
             raise rpc.Forbidden(f"job {self.job_id}: a start or restore must come from a step of the job "
@@ -499,6 +511,22 @@ class AgentState:
                 # CHECKPOINTING: the trees ended while being dumped (CRIU's kill after a stop-dump)
             self.lock.notify_all()
         LOG.info("job %s node %s: tree %s ended with status %s", self.job_id, self.node, tree.index, status)
+
+    def op_settle(self, request: dict) -> dict:
+        """Wait (at most `timeout` seconds) until no checkpoint is in progress. The Epilog asks before
+        it stops the agent: a stop-checkpoint the launcher began at `scontrol requeue` is then
+        committed even where Slurm killed the launcher (after `KillWait`) while it ran."""
+        timeout = request.get("timeout", SETTLE_S)
+        if not isinstance(timeout, int | float) or not math.isfinite(timeout):
+            raise RequestError("settle: timeout must be a number of seconds")
+        deadline = time.monotonic() + min(max(float(timeout), 0.0), SETTLE_S)
+        with self.lock:
+            while self.state == TreeState.CHECKPOINTING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.lock.wait(left)
+            return {"state": str(self.state)}
 
     def op_wait(self, request: dict) -> dict:
         with self.lock:

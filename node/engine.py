@@ -448,6 +448,10 @@ class CheckpointEngine:
         """
         record = self.slurm.job(job_id) or {}
         restarts = int(record.get("Restarts", 0) or 0)
+        if self.restart is not None:
+            # Slurm counts a restart as soon as it takes a requeue (`scontrol requeue` of the running
+            # job, which this one then follows): the helper waits for the count past this start's.
+            restarts = min(restarts, self.restart)
         faults.point(self.config, "requeue", self.node)
         requeued = self.slurm.requeue(job_id)
         argv = [sys.executable, "-I", "-m", "singularity_slurm.node.release", str(job_id), str(restarts)]

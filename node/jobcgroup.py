@@ -5,24 +5,40 @@ of any job step and Slurm's process tracking would not see it. With `ProctrackTy
 and `PrologFlags=Contain`, every job has an extern step whose cgroups live as long as the job on each
 of its nodes; the agent moves the tree into them (a fresh tree before it runs anything, a restored
 one at criu's post-restore notification, before any task runs). Then the job's limits apply to the
-tree, and when the job ends, or is requeued, Slurm kills what is left of it, even if the agent died.
+tree.
+
+Out of reach of Slurm's signals: Slurm ends a job (`scontrol requeue`, `scancel`, a preemption
+without the user signal, the time limit) by signalling the processes of each step's tracking cgroup
+(v1: freezer; v2: the step's leaves), SIGTERM then SIGKILL `KillWait` seconds later, all at once.
+A training process dies of that SIGTERM before it could be checkpointed. So in the tracking
+hierarchy the tree goes one level further down, into a cgroup of its own (`step_extern/singularity`,
+made by root), where the job's limits still apply but Slurm's signals do not reach: the launcher
+checkpoints the tree at a requeue within `KillWait`, and the Epilog ends what is still there
+(`end_below_extern`, which also ends whatever the job's user moved into cgroups of their own below
+the extern step, and removes those cgroups). Where the folder is taken (the job's user owns the
+extern step's folder and may have made one first), the tree stays in the extern step itself.
 
 Which cgroups: the caller of a start or a restore (the launcher, or `agent-call` in a step of the
 job on this node) is in a step of the job; the kernel says where (/proc/PID/cgroup, for the pid
 SO_PEERCRED gave). Only a path with this job's `job_<id>` component counts, and the tree goes to
 that job's `step_extern` beside it (cgroup v1: in every hierarchy Slurm made one in; cgroup v2: its
-leaf under `user/`). Nothing is created in Slurm's hierarchy: without an extern step there is no
-containment (and `singularityctl admin check` says how to configure it). A start or restore from a
-process in none of the job's steps is refused where the job has an extern step. (A step of the job
-may find no extern step on its node: Slurm 22.05 runs neither the Prolog nor the extern step on a
-node a requeued job comes back to within the credential lifetime; that tree is not contained.)
+leaf under `user/`). Nothing is created in Slurm's hierarchy but the shelter below the extern
+step: without an extern step there is no containment (and `singularityctl admin check` says how to
+configure it). A start or restore from a process in none of the job's steps is refused where the
+job has an extern step. (A step of the job may find no extern step on its node: Slurm 22.05 runs
+neither the Prolog nor the extern step on a node a requeued job comes back to within the credential
+lifetime; that tree is not contained.)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Callable, Iterable
+import signal
+import stat
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +91,21 @@ def memberships(proc_cgroup: str) -> list[tuple[frozenset[str], str]]:
     return found
 
 
+SHELTER = "singularity"
+"""The cgroup below the extern step that holds the trees in the tracking hierarchy."""
+
+
+def tracks(mount: Mount) -> bool:
+    """Whether Slurm's process tracking signals through this hierarchy: v1's freezer, or v2."""
+    return mount.v2 or "freezer" in mount.controllers
+
+
 def extern_targets(proc_cgroup: str, mountinfo: str, job_id: int,
                    is_dir: Callable[[Path], bool] = os.path.isdir,
-                   listdir: Callable[[Path], list[str]] = os.listdir) -> list[Path]:
+                   listdir: Callable[[Path], list[str]] = os.listdir, shelter: bool = False) -> list[Path]:
     """The folders of the job's extern step that a process of the job's (whose /proc/PID/cgroup is
-    `proc_cgroup`) points to, one per hierarchy that has one."""
+    `proc_cgroup`) points to, one per hierarchy that has one. With `shelter`, the tracking
+    hierarchy's is the extern step's `SHELTER` cgroup instead (which may not exist yet)."""
     step = _step_path(job_id)
     mounts = cgroup_mounts(mountinfo)
     targets = []
@@ -102,7 +128,10 @@ def extern_targets(proc_cgroup: str, mountinfo: str, job_id: int,
             leaf = "task_special" if "task_special" in leaves else (leaves[0] if leaves else None)
             if leaf is None:
                 continue
-            extern = extern / "user" / leaf
+            if not shelter:
+                extern = extern / "user" / leaf
+        if shelter and tracks(mount):
+            extern = extern / SHELTER
         if extern not in targets:
             targets.append(extern)
     return targets
@@ -125,14 +154,44 @@ def _list(listdir: Callable[[Path], list[str]], path: Path) -> list[str]:
         return []
 
 
-def targets_of(pid: int, job_id: int) -> list[Path]:
-    """The job's extern cgroups, as seen from process `pid` (a process of the job's on this node)."""
+def targets_of(pid: int, job_id: int, problems: list[str] | None = None) -> list[Path]:
+    """The cgroups a tree of the job joins, as seen from process `pid` (a process of the job's on
+    this node): the extern step's, its `SHELTER` (made here) in the tracking hierarchy. Where the
+    shelter cannot be had, the extern step's own folder, and the reason in `problems`."""
     try:
         proc_cgroup = Path(f"/proc/{pid}/cgroup").read_text()
         mountinfo = Path("/proc/self/mountinfo").read_text()
     except OSError:
         return []
-    return extern_targets(proc_cgroup, mountinfo, job_id)
+    plain = extern_targets(proc_cgroup, mountinfo, job_id)
+    sheltered = extern_targets(proc_cgroup, mountinfo, job_id, shelter=True)
+    if len(plain) != len(sheltered):  # the folders changed between the two looks
+        return plain
+    chosen = []
+    for near, far in zip(plain, sheltered, strict=True):
+        problem = make_shelter(far) if far != near else None
+        if problem is not None and problems is not None:
+            problems.append(problem)
+        chosen.append(near if problem else far)
+    return chosen
+
+
+def make_shelter(path: Path) -> str | None:
+    """Make the tree's own cgroup (root's) unless it is there already; None once it is root's, else
+    why it cannot be used."""
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot make {path}: {exc.strerror or exc}"
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"cannot look at {path}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0:
+        return f"{path} is not root's (uid {info.st_uid}): someone made it before the agent"
+    return None
 
 
 def caller_in_a_step(pid: int, job_id: int) -> bool:
@@ -206,3 +265,127 @@ def members(target: Path) -> set[int]:
         return {int(p) for p in (target / "cgroup.procs").read_text().split()}
     except OSError:
         return set()
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What `end_below_extern` did: the processes it ended, those still there after its wait, and
+    the cgroups it found below the job's extern steps."""
+
+    ended: list[int]
+    left: list[int]
+    cgroups: list[Path]
+
+
+NOTE = "cgroups.json"
+"""The agent's note (in the job's root-only run folder) of the extern step folders its trees joined."""
+
+
+def extern_of(target: Path) -> Path | None:
+    """The extern step folder a target is in (itself, its shelter's parent, v2's user/task_x's)."""
+    for folder in (target, *target.parents):
+        if folder.name == "step_extern":
+            return folder
+    return None
+
+
+def note_externs(run_dir: Path, targets: Iterable[Path]) -> None:
+    """Write down (0600, atomically) the extern step folders of `targets` for the Epilog."""
+    externs = sorted({str(e) for e in map(extern_of, targets) if e is not None})
+    temp = run_dir / f".{NOTE}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(externs, out)
+    os.replace(temp, run_dir / NOTE)
+
+
+def noted_externs(run_dir: Path, job_id: int) -> list[Path]:
+    """The extern step folders the job's agent noted here: only cgroupfs folders of this job's."""
+    try:
+        noted = json.loads((run_dir / NOTE).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(noted, list):
+        return []
+    shape = re.compile(rf"/sys/fs/cgroup/(?:[^/]+/)*job_{int(job_id)}/step_extern")
+    return [Path(p) for p in noted if isinstance(p, str) and shape.fullmatch(p) and ".." not in p]
+
+
+def below_extern(externs: Iterable[Path]) -> list[Path]:
+    """Every cgroup below these extern steps (the trees' shelter, and any the job's user made),
+    deepest first. cgroupfs holds no symlinks, and none would be followed."""
+    found = []
+    for extern in externs:
+        for folder, _, _ in os.walk(extern, topdown=False):
+            if Path(folder) != extern:
+                found.append(Path(folder))
+    return found
+
+
+def thaw(cgroup: Path) -> None:
+    """Let a frozen cgroup's processes run (v1 freezer, v2 cgroup.freeze): a frozen task does not
+    die of SIGKILL until it is thawed. Only an interface file that is there is written."""
+    for name, value in (("freezer.state", b"THAWED"), ("cgroup.freeze", b"0")):
+        try:
+            fd = os.open(cgroup / name, os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            os.write(fd, value)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _kill_member(pid: int, cgroup: Path) -> bool:
+    """SIGKILL `pid` if it is (still) in `cgroup`: the pidfd opened first names the process that the
+    membership check then finds, so a recycled pid elsewhere is never signalled."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if pid not in members(cgroup):
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def end_below_extern(externs: Sequence[Path], timeout: float = 10.0) -> Swept:
+    """End every process in a cgroup below the job's extern steps (`externs`, as the agent noted
+    them), wait for them (at most `timeout`), and remove those cgroups, then the extern step and job
+    folders Slurm could not remove while they were in use (for the Epilog, once every step of the
+    job has ended on this node)."""
+    cgroups = below_extern(externs)
+    for cgroup in cgroups:
+        thaw(cgroup)
+    ended: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while True:
+        present = [(pid, cgroup) for cgroup in cgroups for pid in members(cgroup)]
+        if not present or time.monotonic() >= deadline:
+            break
+        for pid, cgroup in present:
+            if _kill_member(pid, cgroup):
+                ended.add(pid)
+        time.sleep(0.05)
+    left = sorted({pid for cgroup in cgroups for pid in members(cgroup)})
+    for cgroup in cgroups:
+        _rmdir(cgroup)
+    for extern in externs:
+        if _rmdir(extern):
+            _rmdir(extern.parent)  # job_<id>: Slurm's steps here are over
+    return Swept(sorted(ended - set(left)), left, cgroups)
+
+
+def _rmdir(path: Path) -> bool:
+    try:
+        os.rmdir(path)
+        return True
+    except OSError:  # in use, or has other cgroups: Slurm's to remove
+        return False

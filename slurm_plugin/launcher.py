@@ -140,7 +140,27 @@ def being_preempted(job_id: int) -> bool:
         record = SlurmClient(timeout=10).job(job_id) or {}
     except SingularityError:
         return False
+    return _preempted(record)
+
+
+def _preempted(record: Mapping[str, str]) -> bool:
     return record.get("PreemptTime", "None") not in ("None", "", "Unknown")
+
+
+def sigterm_cause(record: Mapping[str, str] | None, restart_count: int) -> str:
+    """Why Slurm ends the job's steps, from its record at the SIGTERM: `preempt` (a preemption is
+    recorded), `requeue` (`scontrol requeue`: Slurm counts the restart as soon as it accepts the
+    requeue, before it ends the steps) or `end` (`scancel`, the time limit, a record Slurm cannot
+    give)."""
+    if not record:
+        return "end"
+    if _preempted(record):
+        return "preempt"
+    try:
+        restarts = int(record.get("Restarts") or 0)
+    except ValueError:
+        return "end"
+    return "requeue" if restarts > restart_count else "end"
 
 
 ENDING_STATES = frozenset({"CANCELLED", "COMPLETING", "COMPLETED", "TIMEOUT", "FAILED", "NODE_FAIL",
@@ -283,15 +303,25 @@ class Launcher:
         self.last_summary: dict | None = None
         self.events: queue.Queue[lifecycle.Event | _Signal | _Exited] = queue.Queue()
         self.actions: queue.Queue[lifecycle.Action | None] = queue.Queue()
+        self.to_file = False  # Slurm is ending the steps: say straight into the job's output file
 
     def say(self, message: str) -> None:
         """One line per line of `message`, each starting "[singularity]" (criu's errors span several),
         so the job's own output beside them stays recognisable."""
         prefix = f"[singularity] job {self.info.job_id} on {self.info.node}:"
         lines = [line for line in message.splitlines() if line.strip()] or [""]
-        self._say(f"{prefix} {lines[0]}")
-        for line in lines[1:]:
-            self._say(f"{prefix}   {line}")
+        text = [f"{prefix} {lines[0]}", *(f"{prefix}   {line}" for line in lines[1:])]
+        if self.to_file and self.output:
+            # This step's output reaches the file through the batch script's srun, which dies with
+            # the batch step once Slurm ends the job; the file is opened for appending, as Slurm has it.
+            try:
+                with open(self.output, "a") as out:
+                    out.write("".join(line + "\n" for line in text))
+                return
+            except OSError:
+                pass
+        for line in text:
+            self._say(line)
 
     def agent(self, payload: dict, timeout: float | None = 30.0) -> dict:
         try:
@@ -395,7 +425,9 @@ class Launcher:
             if isinstance(event, _Exited):
                 return event.code
             if isinstance(event, _Signal):
-                event = lifecycle.Warning(event.name, event.name != "SIGTERM" or self.being_preempted())
+                self.to_file = self.to_file or event.name == "SIGTERM"
+                cause = self.sigterm_cause() if event.name == "SIGTERM" else "preempt"
+                event = lifecycle.Warning(event.name, cause != "end", requeue=cause == "requeue")
             before = state.phase
             state, actions = lifecycle.step(state, event)
             if state.phase != before:
@@ -730,6 +762,13 @@ class Launcher:
 
     def being_preempted(self) -> bool:
         return being_preempted(self.info.job_id)
+
+    def sigterm_cause(self) -> str:
+        try:
+            record = SlurmClient(timeout=10).job(self.info.job_id)
+        except SingularityError:
+            record = None
+        return sigterm_cause(record, self.info.restart_count)
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,18 @@ The job's phases:
                   -> REQUEUEING (killed after a checkpoint, proxy lost)
     CHECKPOINTING -> RUNNING (done or failed)      | STOPPING (a warning arrived meanwhile)
     REQUEUEING    -> REQUEUED (Slurm took the requeue: the launcher waits to be ended with the job)
+    REQUEUED      -> FINISHED (Slurm ends the job's steps for the requeue: SIGTERM)
                   -> STARTING (the requeue failed for good after a stop-checkpoint: restore here)
                   -> FINISHED (the requeue failed otherwise: exit non-zero, saying why)
 
 A requeue ends every step and the batch script; the launcher never exits on its own after asking
-for one, so the lines after `singularityctl run` in the batch script do not run for a job that is
-leaving its nodes.
+for one before Slurm sends its SIGTERM, so the lines after `singularityctl run` in the batch script
+do not run for a job that is leaving its nodes (the shell dies of the same SIGTERM).
+
+`scontrol requeue` of a running job is Slurm's own requeue: every process of the job gets SIGTERM at
+once and SIGKILL `KillWait` seconds later. The job's trees are out of reach of that signal (they live
+in a cgroup of their own below the job's), so the launcher, told by Slurm's record that the SIGTERM
+is a requeue, checkpoints them at the cut within that time like at a preemption.
 """
 
 from __future__ import annotations
@@ -70,10 +76,13 @@ class Warning:
     submission: a preemption or the end of the time limit, both of which should checkpoint and
     requeue. SIGTERM is also how `scancel` and the time limit end a job; only a recorded
     preemption makes it a warning.
+    `requeue`: Slurm is requeueing the job itself (`scontrol requeue`, the record's restart count is
+    past the launcher's): checkpoint before it ends the processes, like at a preemption.
     """
 
     signal: str
     preempting: bool = True
+    requeue: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,6 +241,8 @@ class State:
     exclude: tuple[str, ...] = ()  # nodes a migration leaves
     resize: Resize | None = None  # the size a resize in flight asks for
     stopped_at_checkpoint: bool = False  # the requeue in flight follows a committed stop-checkpoint
+    stop_reason: str = "preempt"  # why the stop in `stop_pending` was asked for: preempt | requeue
+    ending: bool = False  # Slurm has sent SIGTERM: it is ending the job's steps (a requeue, a cancel)
 
 
 def _requeue(state: State, why: str, exclude: tuple[str, ...] = ()) -> tuple[State, list[Action]]:
@@ -240,8 +251,12 @@ def _requeue(state: State, why: str, exclude: tuple[str, ...] = ()) -> tuple[Sta
 
 
 def _stop(state: State, reason: str, signame: str | None = None) -> tuple[State, list[Action]]:
-    what = f"preemption warning ({signame})" if signame else f"{reason} requested"
-    return (replace(state, phase=Phase.STOPPING, stop_pending=None, checkpoint_reason=reason),
+    if reason == "requeue":
+        what = "Slurm is requeueing the job (scontrol requeue)"
+    else:
+        what = f"preemption warning ({signame})" if signame else f"{reason} requested"
+    return (replace(state, phase=Phase.STOPPING, stop_pending=None, stop_reason="preempt",
+                    checkpoint_reason=reason),
             [Say(f"{what}: checkpointing"), Checkpoint(reason, stop=True)])
 
 
@@ -272,25 +287,32 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
     phase = state.phase
 
     if isinstance(event, Warning):
+        if event.signal == "SIGTERM":
+            state = replace(state, ending=True)
+            if phase == Phase.REQUEUED:
+                # The requeue's end of every step has come: the shell dies of it, and so may this.
+                return replace(state, phase=Phase.FINISHED), [Exit(EXIT_SIGTERM)]
         if not event.preempting:
             if phase in (Phase.REQUEUEING, Phase.REQUEUED, Phase.FINISHED):
                 return state, []
             return (replace(state, phase=Phase.FINISHED),
                     [Say(f"{event.signal} without a preemption (job cancelled or out of time): "
                          "not checkpointing"), Exit(EXIT_SIGTERM)])
+        reason = "requeue" if event.requeue else "preempt"
         if phase == Phase.RUNNING:
-            return _stop(state, "preempt", event.signal)
+            return _stop(state, reason, event.signal)
         if phase in (Phase.STARTING, Phase.CHECKPOINTING):
             # The agent cannot dump a tree that is being started, restored or dumped: stop after.
-            return (replace(state, stop_pending=event.signal),
-                    [Say(f"preemption warning ({event.signal}) while {phase}: stopping once that ends")])
+            what = "scontrol requeue" if event.requeue else f"preemption warning ({event.signal})"
+            return (replace(state, stop_pending=event.signal, stop_reason=reason),
+                    [Say(f"{what} while {phase}: stopping once that ends")])
         return state, []  # already stopping or leaving
 
     if isinstance(event, Started):
         if state.stop_pending:
             # The tree runs already and may have printed or written something since the checkpoint
             # it came from: killing it would make the next start do that again. Dump it.
-            return _stop(replace(state, phase=Phase.RUNNING), "preempt", state.stop_pending)
+            return _stop(replace(state, phase=Phase.RUNNING), state.stop_reason, state.stop_pending)
         return replace(state, phase=Phase.RUNNING), []
 
     if isinstance(event, StartFailed):
@@ -349,9 +371,11 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
     if isinstance(event, RequeueDone):
         if phase != Phase.REQUEUEING:
             return state, []
-        return replace(state, phase=Phase.REQUEUED), [Say("requeued" + (
-            f" away from {','.join(state.exclude)}" if state.exclude else "") + (
-            f" to restart on {state.resize.describe()}" if state.resize else ""))]
+        said = Say("requeued" + (f" away from {','.join(state.exclude)}" if state.exclude else "") + (
+            f" to restart on {state.resize.describe()}" if state.resize else ""))
+        if state.ending:  # Slurm's SIGTERM came already: nothing more will
+            return replace(state, phase=Phase.FINISHED), [said, Exit(EXIT_SIGTERM)]
+        return replace(state, phase=Phase.REQUEUED), [said]
 
     if isinstance(event, RequeueFailed):
         if phase == Phase.REQUEUEING and state.stopped_at_checkpoint:
@@ -396,7 +420,7 @@ def _checkpoint_outcome(state: State, event: CheckpointDone | CheckpointFailed) 
         new, more = _tree_ended(back, replace(state.ended, has_checkpoint=state.ended.has_checkpoint or ok))
         return new, [*actions, *more]
     if state.stop_pending:
-        new, more = _stop(back, "preempt", state.stop_pending)
+        new, more = _stop(back, state.stop_reason, state.stop_pending)
         return new, [*actions, *more]
     return back, actions
 

@@ -110,7 +110,7 @@ def render_slurm_conf(layout: Layout, config: Config, version: SlurmVersion) -> 
         "JobSubmitPlugins=lua",
         "CliFilterPlugins=lua",
         f"PlugStackConfig={layout.slurm_etc}/plugstack.conf",
-        "KillWait=5",
+        "KillWait=30",  # Slurm's default: the time a launcher has to checkpoint at `scontrol requeue`
         "MinJobAge=600",
         "InactiveLimit=0",
         "SlurmdTimeout=60",

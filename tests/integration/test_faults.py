@@ -47,8 +47,9 @@ def training_pids() -> list[int]:
 
 
 def assert_contained(job_id: int) -> bool:
-    """Every process of the job's training is in the job's extern step (Slurm ends it with the job);
-    False where the job has no extern step on the node (the known gap below)."""
+    """Every process of the job's training is in the job's extern step's `singularity` cgroup (the
+    Epilog ends it with the job); False where the job has no extern step on the node (the known gap
+    below)."""
     pids = training_pids()
     assert pids, "the training is not running"
     for pid in pids:
@@ -65,7 +66,8 @@ def assert_contained(job_id: int) -> bool:
             # gap SECURITY.md names (the tree is ended by the agent and the Epilog)
             print(f"job {job_id} has no extern step on its node: its tree runs uncontained")
             return False
-        assert f"/job_{job_id}/step_extern" in freezer, (pid, freezer)
+        # below the extern step, in the cgroup of its own where Slurm's SIGTERM does not reach it
+        assert freezer.endswith(f"/job_{job_id}/step_extern/singularity"), (pid, freezer)
     return True
 
 

@@ -104,7 +104,7 @@ def _preempt_node(jobs, node: str, victims: dict[int, Path], restores_before: in
     jobs.wait_state(urgent, "COMPLETED")
 
 
-def test_the_readme_example_as_printed_survives_two_preemptions_a_migration_by_root_and_a_drain(
+def test_the_readme_example_as_printed_survives_preemptions_a_drain_a_migration_and_scontrol_requeue(
         jobs, reference_log):
     _prepare(jobs, sleep=0.15)  # still running when the drain is seen, and after the migration
     script = readme_example()
@@ -135,16 +135,24 @@ def test_the_readme_example_as_printed_survives_two_preemptions_a_migration_by_r
     proc = subprocess.run([CTL, "migrate", str(job_id)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"runs again on {drained}" in proc.stdout
+
+    # An admin requeues it the Slurm way: every process of the job gets SIGTERM at once, and the
+    # launcher checkpoints the training (out of that signal's reach) before Slurm's KillWait is over.
+    _wait_for(jobs, job_id, log, "step ", count=230)
+    subprocess.run(["scontrol", "requeue", str(job_id)], check=True, timeout=30)
+    _wait_for(jobs, job_id, log, "restored checkpoint", count=5, timeout=120)
     record = jobs.wait_state(job_id, "COMPLETED", timeout=240)
 
     text = log.read_text()
-    assert training_log(text) == reference_log
+    assert training_log(text) == reference_log  # no step lost, none done twice
     assert text.count("preemption warning (SIGURG): checkpointing") == 2
     assert text.count("migration requested") == 1
     assert text.count(f"{drained} draining (disk swap [root@") == 1
-    assert text.count("restored checkpoint") == 4
+    assert text.count("Slurm is requeueing the job (scontrol requeue): checkpointing") == 1
+    assert "(requeue, taken on" in text.rsplit("restored checkpoint", 1)[1]
+    assert text.count("restored checkpoint") == 5
     assert record["ExitCode"] == "0:0"
-    assert int(record["Restarts"]) == 4
+    assert int(record["Restarts"]) == 5
 
 
 def test_every_script_form_is_checkpointed_requeued_and_completes_identically(jobs, reference_log):

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_as
+from conftest import CTL, run_as
 from test_distributed import PYTHON, copy_example, job_script, reference_logs, wait_for_steps
 
 from singularity_slurm.jobenv import job_run_dir
@@ -255,3 +255,41 @@ def test_the_rank_socket_folder_is_roots_and_a_running_jobs_sockets_are_its_user
     while folder.exists() and time.monotonic() < deadline:  # the proxies, then the Epilog, remove it
         time.sleep(0.5)
     assert not folder.exists()
+
+
+HIDER = """#!/bin/bash
+#SBATCH --singularity-sla=basic
+#SBATCH -o hider-%j.out
+# The job's user owns its extern step's folder (Slurm chowns it): take the trees' shelter name first,
+# and hide a process, frozen, in a cgroup of one's own there, out of reach of Slurm's end of the job.
+batch=$(sed -n 's/^[0-9]*:freezer://p' /proc/self/cgroup)
+extern=/sys/fs/cgroup/freezer${{batch%/step_batch}}/step_extern
+mkdir "$extern/singularity" "$extern/hide" || exit 3
+sleep 1000 &
+echo $! > "$extern/hide/cgroup.procs" || exit 4
+echo $! > hidden.pid
+echo FROZEN > "$extern/hide/freezer.state" || exit 5
+echo "$extern" > extern.path
+{ctl} run -- /bin/echo trained
+"""
+
+
+def test_a_user_who_squats_the_trees_cgroup_and_hides_a_frozen_process_below_the_extern_step_loses_it(
+        jobs):
+    """The job runs (its tree in the extern step itself, the squatted name refused), and when it
+    ends the Epilog ends the hidden process and removes every cgroup the user made."""
+    job_id = jobs.submit(jobs.script("hider.sh", HIDER.format(ctl=CTL)))
+    record = jobs.wait_state(job_id, "COMPLETED", "FAILED", timeout=120)
+    text = (jobs.workdir / f"hider-{job_id}.out").read_text()
+    assert record["JobState"] == "COMPLETED" and "trained" in text, text
+
+    hidden = int((jobs.workdir / "hidden.pid").read_text())
+    extern = Path((jobs.workdir / "extern.path").read_text().strip())
+    try:
+        alive = Path(f"/proc/{hidden}/cmdline").read_bytes() == b"sleep\x001000\x00"
+    except FileNotFoundError:
+        alive = False
+    if alive:
+        os.kill(hidden, signal.SIGKILL)
+    assert not alive, "the hidden process outlived the job"
+    assert not (extern / "hide").exists() and not (extern / "singularity").exists()

@@ -25,6 +25,7 @@ from singularity_slurm.node import jobcgroup
 from singularity_slurm.node.agent import (
     MAX_REQUEST,
     AgentState,
+    TreeState,
     authorized,
     main,
     peer_credentials,
@@ -87,7 +88,7 @@ def test_a_request_naming_its_own_job_is_served() -> None:
 
 
 VALID_OPS = ("checkpoint, command_done, devices, generations, kill, latest, launcher_checkpoint, migrate, "
-             "next_command, ping, requeue, resize, restore, run_begin, run_end, start, status, wait")
+             "next_command, ping, requeue, resize, restore, run_begin, run_end, settle, start, status, wait")
 
 
 @pytest.mark.parametrize(("request_", "shown"), [
@@ -432,7 +433,8 @@ def test_start_with_a_placement_on_a_node_without_proxies_says_so(tmp_path: Path
 def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job_has_an_extern_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     extern = tmp_path / "freezer" / "slurm_n9" / f"uid_{JOB_UID}" / "job_7" / "step_extern"
-    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [])  # a login shell's cgroups
+    # a login shell's cgroups
+    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id, problems=None: [])
     monkeypatch.setattr(jobcgroup, "caller_in_a_step", lambda pid, job_id: False)
     monkeypatch.setattr(jobcgroup, "extern_steps", lambda job_id: [extern])
     engine = RecordingEngine()
@@ -446,7 +448,8 @@ def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job
     assert engine.requests == [] and engine.trees == [] and engine.ranks == []
 
     # a caller in a step of the job is served; one from outside still is not
-    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [extern] if pid == 1 else [])
+    monkeypatch.setattr(jobcgroup, "targets_of",
+                        lambda pid, job_id, problems=None: [extern] if pid == 1 else [])
     assert state.handle(START, JOB_UID, peer_pid=1)["ok"]
     assert state.cgroups == [extern]
     engine.trees[0].kill()
@@ -457,7 +460,7 @@ def test_a_step_of_the_job_on_a_node_without_its_extern_step_is_served_uncontain
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Slurm skips the Prolog, and with it the extern step, on a node a requeued job comes back to
     soon; another node of the job (the same host in the dev cluster) may still show one."""
-    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id: [])
+    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id, problems=None: [])
     monkeypatch.setattr(jobcgroup, "caller_in_a_step", lambda pid, job_id: True)
     monkeypatch.setattr(jobcgroup, "extern_steps", lambda job_id: [tmp_path / "job_7" / "step_extern"])
     engine = RecordingEngine()
@@ -863,3 +866,23 @@ def test_a_placement_with_more_ranks_on_a_device_than_the_site_allows_starts_not
     huge = {str(r): "n9/gpu0" for r in range(4097)}
     assert state.handle({**START, "proxy": {"generation": "g1", "placement": huge}}, JOB_UID)["error"] == (
         "proxy.placement names 4097 ranks, more than 4096")
+
+
+def test_settle_waits_for_the_checkpoint_in_progress_and_no_longer() -> None:
+    """The Epilog's wait before it stops the agent: until the dump the launcher began has ended."""
+    state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
+    assert state.handle({"op": "settle", "timeout": 5}, 0) == {"ok": True, "state": "none"}
+
+    state.state = TreeState.CHECKPOINTING
+
+    def commit() -> None:
+        with state.lock:
+            state.state = TreeState.DUMPED
+            state.lock.notify_all()
+
+    threading.Timer(0.2, commit).start()
+    assert state.handle({"op": "settle", "timeout": 30}, 0) == {"ok": True, "state": "dumped"}
+
+    state.state = TreeState.CHECKPOINTING
+    assert state.handle({"op": "settle", "timeout": 0.1}, 0)["state"] == "checkpointing"
+    assert state.handle({"op": "settle", "timeout": "forever"}, 0)["kind"] == "refused"

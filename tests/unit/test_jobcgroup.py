@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from singularity_slurm.node import jobcgroup, jobtree
 
 HYBRID_MOUNTINFO = """\
@@ -147,3 +149,93 @@ def test_join_reports_what_it_could_not_move(tmp_path: Path) -> None:
     assert (target / "cgroup.procs").read_text() == f"{os.getpid()}\n"
     problems = jobcgroup.join([os.getpid()], [tmp_path / "gone"])
     assert len(problems) == 1 and problems[0].startswith(f"pid {os.getpid()} into {tmp_path / 'gone'}: ")
+
+
+# --- the trees' shelter below the extern step, and the Epilog's sweep of it ------------------------
+
+
+def test_in_the_tracking_hierarchy_the_tree_goes_below_the_extern_step_and_elsewhere_into_it() -> None:
+    base = "/sys/fs/cgroup/{}/slurm_n1/uid_1000/job_57/step_extern"
+    targets = jobcgroup.extern_targets(
+        LAUNCHER_V1, HYBRID_MOUNTINFO, 57, shelter=True,
+        is_dir=existing(base.format("freezer"), base.format("devices")))
+
+    assert targets == [Path(base.format("freezer")) / jobcgroup.SHELTER, Path(base.format("devices"))]
+
+
+def test_on_cgroup_v2_the_shelter_is_a_leaf_of_its_own_beside_slurms() -> None:
+    extern = "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_57/step_extern"
+    targets = jobcgroup.extern_targets(LAUNCHER_V2, V2_MOUNTINFO, 57, is_dir=existing(extern), shelter=True,
+                                       listdir=lambda path: ["task_special"] if str(path).endswith("user")
+                                       else [])
+
+    assert targets == [Path(extern) / jobcgroup.SHELTER]
+
+
+def test_a_shelter_someone_else_made_first_is_not_used(tmp_path: Path) -> None:
+    ours = tmp_path / "ours"
+    assert jobcgroup.make_shelter(ours) is None and ours.is_dir()
+    assert jobcgroup.make_shelter(ours) is None  # there already, and root's
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    assert "is not root's (uid 65534)" in jobcgroup.make_shelter(theirs)
+    assert "cannot make" in jobcgroup.make_shelter(tmp_path / "missing" / "deeper")
+
+
+def test_the_extern_step_of_each_target_is_noted_and_only_this_jobs_cgroupfs_folders_are_read(
+        tmp_path: Path) -> None:
+    extern = Path("/sys/fs/cgroup/freezer/slurm_n1/uid_1000/job_57/step_extern")
+    v2 = Path("/sys/fs/cgroup/unified/x/job_57/step_extern")
+    jobcgroup.note_externs(tmp_path, [extern / jobcgroup.SHELTER, extern, v2 / "user" / "task_special"])
+    note = tmp_path / jobcgroup.NOTE
+    assert note.stat().st_mode & 0o777 == 0o600
+    assert jobcgroup.noted_externs(tmp_path, 57) == [extern, v2]
+    assert jobcgroup.noted_externs(tmp_path, 58) == []
+
+    note.write_text('["/home/jobuser/job_57/step_extern", "/sys/fs/cgroup/../../etc/job_57/step_extern", 7]')
+    assert jobcgroup.noted_externs(tmp_path, 57) == []
+    note.write_text("not json")
+    assert jobcgroup.noted_externs(tmp_path, 57) == []
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(not (FREEZER / "cgroup.procs").exists() or os.geteuid() != 0,
+                    reason="needs root and a cgroup v1 freezer hierarchy")
+def test_the_sweep_ends_frozen_and_running_processes_below_the_extern_step_and_removes_the_folders() -> None:
+    """As the Epilog finds it: the tree in its shelter, and a process the job's user froze in a
+    cgroup of their own; both end, and the job's folders go, as Slurm would have removed them."""
+    job = FREEZER / f"singularity-unit-{os.getpid()}" / "job_99999"
+    extern = job / "step_extern"
+    user_made = extern / "mine"
+    shelter = extern / jobcgroup.SHELTER
+    procs = []
+    try:
+        for folder in (shelter, user_made):
+            folder.mkdir(parents=True, exist_ok=True)
+        for folder in (shelter, user_made):
+            proc = subprocess.Popen(["sleep", "60"])
+            procs.append(proc)
+            (folder / "cgroup.procs").write_text(f"{proc.pid}\n")
+        (user_made / "freezer.state").write_text("FROZEN")
+        bystander = subprocess.Popen(["sleep", "60"])
+        procs.append(bystander)
+
+        swept = jobcgroup.end_below_extern([extern], timeout=10)
+
+        assert sorted(swept.ended) == sorted(p.pid for p in procs[:2]) and swept.left == []
+        assert [p.wait(timeout=10) for p in procs[:2]] == [-9, -9]
+        assert bystander.poll() is None
+        assert not job.exists()  # the extern step and job folders too, now that they are empty
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        for folder in (user_made, shelter, extern, job, job.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass

@@ -12,6 +12,7 @@ from singularity_slurm.slurm_plugin.launcher import (
     JobInfo,
     front_environment,
     in_job_step,
+    sigterm_cause,
     step_argv,
 )
 
@@ -53,3 +54,21 @@ def test_without_a_readable_front_the_step_keeps_its_own_environment(pid: str) -
     step_env = {"SLURM_STEP_ID": "3", FRONT_PID: pid, "HOME": "/home/u"}
 
     assert front_environment(step_env) == step_env
+
+
+@pytest.mark.parametrize(("record", "cause"), [
+    ({"JobState": "COMPLETING", "Restarts": "1", "PreemptTime": "None"}, "requeue"),
+    ({"JobState": "COMPLETING", "Restarts": "0", "PreemptTime": "None"}, "end"),
+    ({"JobState": "CANCELLED", "Restarts": "0", "PreemptTime": "None"}, "end"),
+    ({"JobState": "COMPLETING", "Restarts": "1", "PreemptTime": "2026-12-02T21:47:08"}, "preempt"),
+    ({"JobState": "COMPLETING", "Restarts": "x"}, "end"),
+    (None, "end"),
+])
+def test_a_sigterm_is_a_requeue_when_slurm_counted_a_restart_past_this_start(record, cause) -> None:
+    """`scontrol requeue` counts the restart as soon as Slurm takes it, before the steps end."""
+    assert sigterm_cause(record, 0) == cause
+
+
+def test_a_later_start_compares_with_its_own_restart_count() -> None:
+    record = {"JobState": "COMPLETING", "Restarts": "3"}
+    assert (sigterm_cause(record, 3), sigterm_cause(record, 2)) == ("end", "requeue")

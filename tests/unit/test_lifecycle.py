@@ -409,3 +409,60 @@ def test_a_warning_during_a_migration_changes_nothing() -> None:
 def test_something_that_is_not_an_event_is_a_programming_error() -> None:
     with pytest.raises(TypeError, match="not a launcher event"):
         step(State(), "go")  # type: ignore[arg-type]
+
+
+# --- Slurm's own requeue (`scontrol requeue`) and the SIGTERM that ends the steps -------------------
+
+
+def test_scontrol_requeue_checkpoints_at_its_sigterm_and_exits_once_requeued() -> None:
+    """Slurm already requeues the job: the launcher's requeue only lifts the delay, and nothing more
+    is coming, so it exits as soon as the requeue is done."""
+    state, actions = run(Warning("SIGTERM", requeue=True), state=running())
+    assert state.phase == Phase.STOPPING and state.ending
+    assert actions == [Say("Slurm is requeueing the job (scontrol requeue): checkpointing"),
+                       Checkpoint("requeue", stop=True)]
+
+    state, actions = run(TreeEnded("dumped", 0), CheckpointDone(SUMMARY), RequeueDone(), state=state)
+    assert state.phase == Phase.FINISHED
+    assert without_says(actions) == [Requeue(), Exit(143)]
+
+
+def test_scontrol_requeue_while_starting_stops_once_the_tree_runs_and_says_why() -> None:
+    state, actions = run(Warning("SIGTERM", requeue=True))
+    assert (state.phase, state.stop_pending, state.stop_reason) == (Phase.STARTING, "SIGTERM", "requeue")
+    assert actions == [Say("scontrol requeue while starting: stopping once that ends")]
+
+    state, actions = run(Started(restored=True), state=state)
+    assert state.phase == Phase.STOPPING and state.stop_reason == "preempt"
+    assert without_says(actions) == [Checkpoint("requeue", stop=True)]
+
+
+def test_scontrol_requeue_during_a_periodic_checkpoint_stops_after_it() -> None:
+    state, _ = run(PeriodicDue(), Warning("SIGTERM", requeue=True), state=running())
+    state, actions = run(CheckpointDone(SUMMARY), state=state)
+    assert state.phase == Phase.STOPPING
+    assert Checkpoint("requeue", stop=True) in actions
+    assert Say("Slurm is requeueing the job (scontrol requeue): checkpointing") in actions
+
+
+def test_the_sigterm_of_its_own_requeue_ends_a_requeued_launcher_at_once() -> None:
+    state, actions = run(Warning("SIGURG"), TreeEnded("dumped", 0), CheckpointDone(SUMMARY), RequeueDone(),
+                         state=running())
+    assert state.phase == Phase.REQUEUED and Exit(143) not in actions
+
+    state, actions = run(Warning("SIGTERM", preempting=True), state=state)
+    assert (state.phase, actions) == (Phase.FINISHED, [Exit(143)])
+
+
+def test_a_sigterm_that_comes_while_the_requeue_is_asked_for_ends_the_launcher_once_it_is_done() -> None:
+    state, _ = run(Warning("SIGURG"), TreeEnded("dumped", 0), CheckpointDone(SUMMARY), state=running())
+    assert state.phase == Phase.REQUEUEING
+    state, actions = run(Warning("SIGTERM", preempting=False), state=state)
+    assert actions == [] and state.ending
+    state, actions = run(RequeueDone(), state=state)
+    assert (state.phase, actions[-1]) == (Phase.FINISHED, Exit(143))
+
+
+def test_other_warnings_after_the_requeue_wait_for_slurms_sigterm() -> None:
+    state = State(phase=Phase.REQUEUED)
+    assert step(state, Warning("SIGUSR1")) == (state, [])
