@@ -33,15 +33,19 @@ def run(env: dict[str, str]) -> int:
         settle(run_dir, log)
         # The agent first: it must not take the proxies' ends for a failure of the running job.
         stopped = services.stop_all(run_dir, first=[services.AGENT])
-        trees = services.end_trees(run_dir)  # those an agent that was killed could not end
-        if trees.ended:
-            log.warning("ended the job's trees %s that outlived its agent", trees.ended)
         # What is left in the cgroups below the job's extern step: the trees live there, out of reach
-        # of Slurm's own kill, and the job's user may have made cgroups of their own there.
+        # of Slurm's own kill, and the job's user may have made (and frozen) cgroups of their own
+        # there, with processes of the trees moved in. First, so that nothing frozen is left for the
+        # trees' end below.
         swept = jobcgroup.end_below_extern(jobcgroup.noted_externs(run_dir, job.job_id))
         if swept.ended:
             log.warning("ended processes %s left in the job's cgroups %s", swept.ended,
                         [str(c) for c in swept.cgroups])
+        if swept.kept:
+            log.warning("could not remove the job's cgroups %s", [str(c) for c in swept.kept])
+        trees = services.end_trees(run_dir)  # those an agent that was killed could not end
+        if trees.ended:
+            log.warning("ended the job's trees %s that outlived its agent", trees.ended)
         left = [p.stem for p in run_dir.glob("*.pid") if services.running_pid(run_dir, p.stem)]
         left += [f"tree {pid}" for pid in trees.left]
         left += [f"process {pid} in the job's cgroups" for pid in swept.left]

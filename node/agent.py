@@ -338,7 +338,7 @@ class AgentState:
             self.cgroups = found
             if self.run_dir is not None:
                 try:
-                    jobcgroup.note_externs(self.run_dir, found)  # what the Epilog sweeps
+                    jobcgroup.note_externs(self.run_dir, found, self.job_id)  # what the Epilog sweeps
                 except OSError as exc:
                     LOG.warning("job %s node %s: cannot note the job's cgroups: %s", self.job_id,
                                 self.node, exc)

@@ -39,7 +39,7 @@ import signal
 import stat
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -137,8 +137,13 @@ def extern_targets(proc_cgroup: str, mountinfo: str, job_id: int,
     return targets
 
 
+_OUTSIDE_A_JOB = r"(?:/(?!job_|step_)[^/]+)*"
+"""Folders above Slurm's job folder: none of them a job's or a step's (cgroups the job's user made
+below a step of theirs may be named anything, `job_<id>/step_0` included)."""
+
+
 def _step_path(job_id: int) -> re.Pattern[str]:
-    return re.compile(rf"(?P<base>(?:/[^/]+)*?/job_{int(job_id)})/step_[^/]+(?:/.*)?")
+    return re.compile(rf"(?P<base>{_OUTSIDE_A_JOB}/job_{int(job_id)})/step_[^/]+(?:/.*)?")
 
 
 def in_a_step(proc_cgroup: str, job_id: int) -> bool:
@@ -269,12 +274,13 @@ def members(target: Path) -> set[int]:
 
 @dataclass(frozen=True)
 class Swept:
-    """What `end_below_extern` did: the processes it ended, those still there after its wait, and
-    the cgroups it found below the job's extern steps."""
+    """What `end_below_extern` did: the processes it ended, those still there after its wait, the
+    cgroups it found below the job's extern steps, and the folders it could not remove."""
 
     ended: list[int]
     left: list[int]
     cgroups: list[Path]
+    kept: list[Path] = field(default_factory=list)
 
 
 NOTE = "cgroups.json"
@@ -289,9 +295,11 @@ def extern_of(target: Path) -> Path | None:
     return None
 
 
-def note_externs(run_dir: Path, targets: Iterable[Path]) -> None:
-    """Write down (0600, atomically) the extern step folders of `targets` for the Epilog."""
-    externs = sorted({str(e) for e in map(extern_of, targets) if e is not None})
+def note_externs(run_dir: Path, targets: Iterable[Path], job_id: int) -> None:
+    """Add the extern step folders of `targets` to the note for the Epilog (0600, written
+    atomically): those of earlier trees stay."""
+    externs = sorted({str(e) for e in map(extern_of, targets) if e is not None}
+                     | {str(e) for e in noted_externs(run_dir, job_id)})
     temp = run_dir / f".{NOTE}.tmp"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -307,35 +315,46 @@ def noted_externs(run_dir: Path, job_id: int) -> list[Path]:
         return []
     if not isinstance(noted, list):
         return []
-    shape = re.compile(rf"/sys/fs/cgroup/(?:[^/]+/)*job_{int(job_id)}/step_extern")
+    shape = re.compile(rf"/sys/fs/cgroup{_OUTSIDE_A_JOB}/job_{int(job_id)}/step_extern")
     return [Path(p) for p in noted if isinstance(p, str) and shape.fullmatch(p) and ".." not in p]
 
 
-def below_extern(externs: Iterable[Path]) -> list[Path]:
+def below_extern(externs: Iterable[Path], unreadable: list[Path] | None = None) -> list[Path]:
     """Every cgroup below these extern steps (the trees' shelter, and any the job's user made),
-    deepest first. cgroupfs holds no symlinks, and none would be followed."""
+    deepest first; folders that could not be listed go to `unreadable`. cgroupfs holds no symlinks,
+    and none would be followed."""
     found = []
     for extern in externs:
-        for folder, _, _ in os.walk(extern, topdown=False):
+        for folder, _, _ in os.walk(extern, topdown=False, onerror=lambda exc: _note(unreadable, exc)):
             if Path(folder) != extern:
                 found.append(Path(folder))
     return found
 
 
+def _note(unreadable: list[Path] | None, exc: OSError) -> None:
+    if unreadable is not None and exc.filename:
+        unreadable.append(Path(exc.filename))
+
+
+def _write_interface(cgroup: Path, name: str, value: bytes) -> None:
+    """Write one of a cgroup's interface files, if it has it (not following a link)."""
+    try:
+        fd = os.open(cgroup / name, os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        os.write(fd, value)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def thaw(cgroup: Path) -> None:
     """Let a frozen cgroup's processes run (v1 freezer, v2 cgroup.freeze): a frozen task does not
-    die of SIGKILL until it is thawed. Only an interface file that is there is written."""
-    for name, value in (("freezer.state", b"THAWED"), ("cgroup.freeze", b"0")):
-        try:
-            fd = os.open(cgroup / name, os.O_WRONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            os.write(fd, value)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    die of SIGKILL until it is thawed."""
+    _write_interface(cgroup, "freezer.state", b"THAWED")
+    _write_interface(cgroup, "cgroup.freeze", b"0")
 
 
 def _kill_member(pid: int, cgroup: Path) -> bool:
@@ -360,27 +379,52 @@ def end_below_extern(externs: Sequence[Path], timeout: float = 10.0) -> Swept:
     """End every process in a cgroup below the job's extern steps (`externs`, as the agent noted
     them), wait for them (at most `timeout`), and remove those cgroups, then the extern step and job
     folders Slurm could not remove while they were in use (for the Epilog, once every step of the
-    job has ended on this node)."""
-    cgroups = below_extern(externs)
-    for cgroup in cgroups:
-        thaw(cgroup)
+    job has ended on this node).
+
+    Each pass looks again (a process may make cgroups until it dies). The extern step itself, which
+    is root's, is frozen while its processes are signalled (v1: no cgroup below a frozen one can
+    thaw itself) and its whole subtree killed at once where the kernel can (v2's cgroup.kill, which
+    frozen tasks obey too); then the cgroups below are thawed, the user's own freeze included, and
+    the extern step last, so every pending SIGKILL is delivered."""
     ended: set[int] = set()
+    seen: list[Path] = []
+    unreadable: list[Path] = []
     deadline = time.monotonic() + timeout
-    while True:
-        present = [(pid, cgroup) for cgroup in cgroups for pid in members(cgroup)]
-        if not present or time.monotonic() >= deadline:
-            break
-        for pid, cgroup in present:
-            if _kill_member(pid, cgroup):
-                ended.add(pid)
-        time.sleep(0.05)
+    try:
+        while True:
+            cgroups = below_extern(externs, unreadable)
+            seen += [cgroup for cgroup in cgroups if cgroup not in seen]
+            present = [(pid, cgroup) for cgroup in cgroups for pid in members(cgroup)]
+            if not present or time.monotonic() >= deadline:
+                break
+            for extern in externs:
+                _write_interface(extern, "freezer.state", b"FROZEN")
+            for pid, cgroup in present:
+                if _kill_member(pid, cgroup):
+                    ended.add(pid)
+            for extern in externs:
+                _write_interface(extern, "cgroup.kill", b"1")
+            for cgroup in cgroups:
+                thaw(cgroup)
+            for extern in externs:
+                thaw(extern)
+            time.sleep(0.05)
+    finally:
+        for extern in externs:
+            thaw(extern)
+    cgroups = below_extern(externs, unreadable)
+    seen += [cgroup for cgroup in cgroups if cgroup not in seen]
     left = sorted({pid for cgroup in cgroups for pid in members(cgroup)})
-    for cgroup in cgroups:
-        _rmdir(cgroup)
+    kept = [cgroup for cgroup in cgroups if not _rmdir(cgroup)]
     for extern in externs:
+        if not extern.exists():
+            continue
         if _rmdir(extern):
             _rmdir(extern.parent)  # job_<id>: Slurm's steps here are over
-    return Swept(sorted(ended - set(left)), left, cgroups)
+        else:
+            kept.append(extern)
+    kept += [folder for folder in unreadable if folder not in kept]
+    return Swept(sorted(ended - set(left)), left, seen, kept)
 
 
 def _rmdir(path: Path) -> bool:

@@ -378,6 +378,12 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
         return replace(state, phase=Phase.REQUEUED), [said]
 
     if isinstance(event, RequeueFailed):
+        if phase == Phase.REQUEUEING and state.ending:
+            # Slurm is ending the job's steps already (its own requeue or a cancel): nothing can
+            # resume here, and the checkpoint, if one was just taken, is what a restart finds.
+            return (replace(state, phase=Phase.FINISHED),
+                    [Say(f"requeue failed: {event.error}; Slurm is ending the job's steps"),
+                     Exit(EXIT_SIGTERM)])
         if phase == Phase.REQUEUEING and state.stopped_at_checkpoint:
             # The tree is stopped and its checkpoint committed: rather than end the job with its
             # work orphaned, it goes on here from that checkpoint.

@@ -81,6 +81,14 @@ def test_a_process_is_in_a_step_of_its_job_only() -> None:
     assert not jobcgroup.in_a_step("6:freezer:/\n0::/user.slice/user-1000.slice/session-3.scope\n", 57)
 
 
+def test_cgroups_a_user_names_like_another_jobs_steps_below_their_own_are_no_step_of_that_job() -> None:
+    # the job's user owns its extern step's folder, and may make job_58/step_0 inside it
+    nested = "6:freezer:/slurm_n1/uid_1000/job_57/step_extern/job_58/step_0\n"
+    assert jobcgroup.in_a_step(nested, 57)
+    assert not jobcgroup.in_a_step(nested, 58)
+    assert jobcgroup.extern_targets(nested, HYBRID_MOUNTINFO, 58, is_dir=lambda path: True) == []
+
+
 def test_the_jobs_extern_steps_are_found_in_every_hierarchy_and_no_other_jobs(tmp_path: Path) -> None:
     v1 = tmp_path / "freezer" / "slurm_n1" / "uid_1000" / "job_57" / "step_extern"
     v2 = tmp_path / "v2" / "system.slice" / "slurmstepd.scope" / "job_57" / "step_extern"
@@ -188,13 +196,15 @@ def test_the_extern_step_of_each_target_is_noted_and_only_this_jobs_cgroupfs_fol
         tmp_path: Path) -> None:
     extern = Path("/sys/fs/cgroup/freezer/slurm_n1/uid_1000/job_57/step_extern")
     v2 = Path("/sys/fs/cgroup/unified/x/job_57/step_extern")
-    jobcgroup.note_externs(tmp_path, [extern / jobcgroup.SHELTER, extern, v2 / "user" / "task_special"])
+    jobcgroup.note_externs(tmp_path, [extern / jobcgroup.SHELTER, extern], 57)
+    jobcgroup.note_externs(tmp_path, [v2 / "user" / "task_special"], 57)  # a later tree's: added
     note = tmp_path / jobcgroup.NOTE
     assert note.stat().st_mode & 0o777 == 0o600
     assert jobcgroup.noted_externs(tmp_path, 57) == [extern, v2]
     assert jobcgroup.noted_externs(tmp_path, 58) == []
 
-    note.write_text('["/home/jobuser/job_57/step_extern", "/sys/fs/cgroup/../../etc/job_57/step_extern", 7]')
+    note.write_text('["/home/jobuser/job_57/step_extern", "/sys/fs/cgroup/../../etc/job_57/step_extern", 7, '
+                    '"/sys/fs/cgroup/freezer/slurm_n1/uid_1000/job_56/step_extern/job_57/step_extern"]')
     assert jobcgroup.noted_externs(tmp_path, 57) == []
     note.write_text("not json")
     assert jobcgroup.noted_externs(tmp_path, 57) == []
@@ -211,30 +221,33 @@ def test_the_sweep_ends_frozen_and_running_processes_below_the_extern_step_and_r
     job = FREEZER / f"singularity-unit-{os.getpid()}" / "job_99999"
     extern = job / "step_extern"
     user_made = extern / "mine"
+    deeper = user_made / "job_99998" / "step_0"  # named like another job's step, and frozen itself
     shelter = extern / jobcgroup.SHELTER
     procs = []
     try:
-        for folder in (shelter, user_made):
+        for folder in (shelter, user_made, deeper):
             folder.mkdir(parents=True, exist_ok=True)
-        for folder in (shelter, user_made):
+        for folder in (shelter, user_made, deeper):
             proc = subprocess.Popen(["sleep", "60"])
             procs.append(proc)
             (folder / "cgroup.procs").write_text(f"{proc.pid}\n")
+        (deeper / "freezer.state").write_text("FROZEN")
         (user_made / "freezer.state").write_text("FROZEN")
         bystander = subprocess.Popen(["sleep", "60"])
         procs.append(bystander)
 
         swept = jobcgroup.end_below_extern([extern], timeout=10)
 
-        assert sorted(swept.ended) == sorted(p.pid for p in procs[:2]) and swept.left == []
-        assert [p.wait(timeout=10) for p in procs[:2]] == [-9, -9]
+        assert sorted(swept.ended) == sorted(p.pid for p in procs[:3]) and swept.left == []
+        assert swept.kept == []
+        assert [p.wait(timeout=10) for p in procs[:3]] == [-9, -9, -9]
         assert bystander.poll() is None
         assert not job.exists()  # the extern step and job folders too, now that they are empty
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
-        for folder in (user_made, shelter, extern, job, job.parent):
+        for folder in (deeper, deeper.parent, user_made, shelter, extern, job, job.parent):
             try:
                 folder.rmdir()
             except OSError:

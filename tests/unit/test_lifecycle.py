@@ -466,3 +466,15 @@ def test_a_sigterm_that_comes_while_the_requeue_is_asked_for_ends_the_launcher_o
 def test_other_warnings_after_the_requeue_wait_for_slurms_sigterm() -> None:
     state = State(phase=Phase.REQUEUED)
     assert step(state, Warning("SIGUSR1")) == (state, [])
+
+
+def test_a_requeue_that_fails_while_slurm_ends_the_steps_ends_the_launcher_rather_than_resume() -> None:
+    """Slurm's SIGTERM came: its steps are going, so resuming here would only be killed."""
+    state, _ = run(Warning("SIGTERM", requeue=True), TreeEnded("dumped", 0), CheckpointDone(SUMMARY),
+                   state=running())
+    assert (state.phase, state.stopped_at_checkpoint, state.ending) == (Phase.REQUEUEING, True, True)
+
+    state, actions = run(RequeueFailed("slurmctld down"), state=state)
+
+    assert state.phase == Phase.FINISHED
+    assert actions == [Say("requeue failed: slurmctld down; Slurm is ending the job's steps"), Exit(143)]
