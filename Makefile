@@ -21,7 +21,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 install: $(PY)
-	$(PY) -m pip install -q --no-cache-dir ".[test,criu,examples]"
+	$(PY) -m pip install -q --no-cache-dir ".[test,criu,examples,sim]"
 	chmod -R a+rX $(PREFIX)
 
 devcluster: install

@@ -1,0 +1,637 @@
+"""`singularity-sim`: a discrete-event model of a Slurm cluster replaying a job trace three ways.
+
+- `native`: Slurm's partition-priority preemption with requeue; a preempted job loses what it did
+  since its own last application checkpoint (every `app_checkpoint_s` of running) and pays
+  `restore_s` to start again.
+- `singularity`: the same scheduling, but a preempted job is checkpointed (`checkpoint_s`, holding
+  its devices) and loses nothing; it pays `restore_s` when it starts again.
+- `controller`: Singularity plus the SLA controller (`policy.decide`, the daemon's own decisions):
+  protected jobs are not preempted, elastic jobs shrink instead of being requeued, and shrunk jobs
+  grow back on idle devices. A resize costs a checkpoint and a restore.
+
+Scheduling, as Slurm does it with partition priorities and a simple backfill: pending jobs in tier
+order (premium, standard, basic), then submission order; each starts where it fits (an elastic job
+in `controller` mode on as few as its floor); one that does not fit preempts running jobs of lower
+tiers (the lowest tier first, the latest started first) when that frees enough. Devices are one pool
+(`nodes` x `gpus_per_node`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import enum
+import heapq
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import accounting, policy, trace
+from .accounting import FLOORS, Segment
+from .policy import TIER_RANK
+
+MODES = ("native", "singularity", "controller")
+
+
+@dataclass(frozen=True)
+class SimParams:
+    nodes: int = 2
+    gpus_per_node: int = 8
+    mode: str = "singularity"
+    checkpoint_s: float = 30.0
+    restore_s: float = 60.0
+    app_checkpoint_s: float = 3600.0
+    window_s: float = accounting.WINDOW_S
+    controller_period_s: float = 60.0
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class Phase(enum.StrEnum):
+    """A simulated job's phase.
+
+    PENDING -> RUNNING | RESTORING (a start after a preemption) ; RESTORING -> RUNNING ;
+    RUNNING -> CHECKPOINTING (preempted, singularity modes) | PENDING (preempted, native)
+            | RESIZING (controller) | DONE ; CHECKPOINTING -> PENDING ; RESIZING -> RUNNING
+    """
+
+    PENDING = "pending"
+    RESTORING = "restoring"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    RESIZING = "resizing"
+    DONE = "done"
+
+
+@dataclass
+class SimJob:
+    spec: trace.TraceJob
+    phase: Phase = Phase.PENDING
+    held: int = 0
+    done: float = 0.0  # full-size seconds of work done
+    since: float = 0.0  # when `done` and the segments were last brought up to date
+    version: int = 0  # invalidates a job's scheduled events when its plan changes
+    started_at: float | None = None
+    run_start: float = 0.0  # when the current stretch of useful running began
+    done_at_run_start: float = 0.0
+    preemptions: int = 0
+    resizes: int = 0
+    lost: float = 0.0  # full-size seconds of work redone (native mode)
+    finished: float | None = None
+    protected: bool = False
+    resize_to: int = 0  # the size a resize in progress gives the job
+    segments: list[Segment] = field(default_factory=list)
+    win_start: float = 0.0
+    win_had: float = 0.0  # device-fraction seconds delivered in the current window
+
+    @property
+    def need(self) -> int:
+        """The fewest devices it starts on where jobs are elastic."""
+        return policy.fewest_to_start(self.spec.tier, self.spec.gpus, self.spec.min_gpus)
+
+    @property
+    def rate(self) -> float:
+        return self.held / self.spec.gpus if self.phase == Phase.RUNNING else 0.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    mode: str
+    jobs: int
+    makespan_s: float
+    horizon_s: float  # the span the fleet figures cover: from 0 to the last submission
+    utilization: float  # device-seconds held / device-seconds available, over the horizon
+    goodput: float  # device-seconds of progress kept / device-seconds available, over the horizon
+    attainment: dict[str, float | None]  # per tier: the share of job windows meeting the floor
+    mean_fraction: dict[str, float | None]
+    completion_s: dict[str, dict[str, float]]  # per tier: mean, p50, p95 of submit -> end
+    preemptions: int
+    resizes: int
+    lost_device_s: float  # device-seconds of work preempted jobs lost and did again (native)
+    sim_seconds: float
+
+
+class Simulation:
+    """The event loop; `run()` returns the outcome."""
+
+    def __init__(self, jobs: Sequence[trace.TraceJob], params: SimParams,
+                 policy_params: policy.Params | None = None):
+        if params.mode not in MODES:
+            raise ValueError(f"unknown mode {params.mode!r}; valid modes: {', '.join(MODES)}")
+        too_big = [j for j in jobs if j.min_gpus > params.devices]
+        if too_big:
+            raise trace.TraceError(f"job {too_big[0].job_id} asks for {too_big[0].min_gpus} devices; the "
+                                   f"cluster has {params.devices} ({params.nodes} x {params.gpus_per_node})")
+        seen: set[str] = set()
+        for j in jobs:
+            if j.job_id in seen:
+                raise trace.TraceError(f"job {j.job_id} is in the trace twice")
+            seen.add(j.job_id)
+        self.params = params
+        self.policy = policy_params or policy.Params(preemption_cost_s=params.checkpoint_s + params.restore_s)
+        self.jobs = {j.job_id: SimJob(j, since=j.submit, win_start=j.submit) for j in jobs}
+        self.free = params.devices
+        self.now = 0.0
+        self.events: list[tuple[float, int, str, str, int]] = []
+        self.seq = 0
+        self.pending: dict[str, list[SimJob]] = {tier: [] for tier in TIER_RANK}  # by submission
+        self.active: dict[str, SimJob] = {}  # holding devices
+        self.horizon = (max((j.submit for j in jobs), default=0.0)
+                        or max((j.duration for j in jobs), default=1.0))
+        self.held_seconds = 0.0  # within the horizon
+        self.kept_seconds = 0.0  # device-seconds of progress within the horizon, less what was lost
+        self.coming = 0  # devices that checkpoints in progress (preemptions, shrinks) will free
+        self.held_by_tier = dict.fromkeys(TIER_RANK, 0)  # devices held, by tier
+        self.unreserved = self.free  # idle devices no waiting job is promised (after `_schedule`)
+        self.actions: list[tuple[float, policy.Action]] = []
+        for job in self.jobs.values():
+            self._at(job.spec.submit, "submit", job)
+        if params.mode == "controller":
+            self._at(0.0, "tick", None)
+
+    # --- events ---------------------------------------------------------------------------------
+
+    def _at(self, when: float, kind: str, job: SimJob | None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (when, self.seq, kind, job.spec.job_id if job else "",
+                                     job.version if job else 0))
+
+    def run(self) -> Outcome:
+        began = time.perf_counter()
+        left = len(self.jobs)
+        while self.events and left:
+            when, _, kind, job_id, version = heapq.heappop(self.events)
+            self.now = when
+            job = self.jobs.get(job_id)
+            if job is not None and version != job.version:
+                continue  # a plan that changed since
+            if kind == "submit":
+                self._queue(job)
+            elif kind == "finish":
+                self._update(job)
+                self._release(job)
+                job.phase, job.finished = Phase.DONE, when
+                left -= 1
+            elif kind == "checkpointed":  # a preempted job's dump is done: its devices are free
+                self._update(job)
+                self.coming -= job.held
+                self._release(job)
+                job.phase = Phase.PENDING
+                self._queue(job)
+            elif kind == "resized":  # a resize's checkpoint is done: what it gives up is free
+                self._update(job)
+                if job.resize_to < job.held:
+                    self.free += job.held - job.resize_to
+                    self.coming -= job.held - job.resize_to
+                    self.held_by_tier[job.spec.tier] -= job.held - job.resize_to
+                    job.held = job.resize_to
+                job.version += 1
+                self._at(when + self.params.restore_s, "running", job)
+            elif kind == "running":  # restored, or resized
+                self._update(job)
+                self._run(job)
+            elif kind == "tick":
+                self._control()
+                if left:
+                    self._at(when + self.params.controller_period_s, "tick", None)
+            self._schedule()
+        return self._outcome(time.perf_counter() - began)
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+
+    def _update(self, job: SimJob) -> None:
+        """Bring a job's work, accounting segments and current window up to now."""
+        now, rate = self.now, job.rate
+        if now > job.since:
+            job.done += rate * (now - job.since)
+            devices = job.held if job.phase == Phase.RUNNING else 0
+            if devices:
+                last = job.segments[-1] if job.segments else None
+                if last is not None and last.end == job.since and last.devices == devices:
+                    job.segments[-1] = Segment(last.start, now, devices)
+                else:
+                    job.segments.append(Segment(job.since, now, devices))
+            inside = max(min(now, self.horizon) - max(job.since, 0.0), 0.0)
+            self.held_seconds += job.held * inside
+            self.kept_seconds += devices * inside
+            self._window(job, job.since, now, devices)
+        job.since = now
+
+    def _window(self, job: SimJob, start: float, end: float, devices: int) -> None:
+        w = self.params.window_s
+        while start < end:
+            boundary = job.win_start + w
+            if end < boundary:
+                job.win_had += (end - start) * devices / job.spec.gpus
+                return
+            job.win_had += (boundary - start) * devices / job.spec.gpus
+            job.win_start, job.win_had, start = boundary, 0.0, boundary
+
+    def _view(self, job: SimJob) -> policy.JobView:
+        """The job as the controller sees it now (its slack from its current window; a pending
+        job's is not looked at, and its accounting is brought up to date when it starts)."""
+        if job.phase == Phase.PENDING:
+            return policy.JobView(job.spec.job_id, job.spec.tier, job.spec.gpus, job.spec.min_gpus, 0, 0.0,
+                                  self.params.window_s, job.protected, job.spec.submit)
+        self._update(job)
+        self._window(job, self.now, self.now, 0)
+        rest = max(job.win_start + self.params.window_s - self.now, 0.0)
+        slack = job.win_had + rest - FLOORS[job.spec.tier] * self.params.window_s
+        return policy.JobView(job.spec.job_id, job.spec.tier, job.spec.gpus, job.spec.min_gpus,
+                              job.held if job.phase == Phase.RUNNING else 0, slack, rest, job.protected,
+                              job.spec.submit)
+
+    def _release(self, job: SimJob) -> None:
+        self.free += job.held
+        self.held_by_tier[job.spec.tier] -= job.held
+        job.held = 0
+        self.active.pop(job.spec.job_id, None)
+        job.version += 1
+
+    def _run(self, job: SimJob) -> None:
+        job.phase = Phase.RUNNING
+        job.run_start, job.done_at_run_start = self.now, job.done
+        job.version += 1
+        rate = job.rate
+        self._at(self.now + max(job.spec.duration - job.done, 0.0) / rate, "finish", job)
+
+    # --- scheduling -----------------------------------------------------------------------------
+
+    def _queue(self, job: SimJob) -> None:
+        bisect.insort(self.pending[job.spec.tier], job, key=lambda j: (j.spec.submit, j.spec.job_id))
+
+    def _start(self, job: SimJob, devices: int) -> None:
+        self._update(job)
+        self.pending[job.spec.tier].remove(job)
+        self.free -= devices
+        self.held_by_tier[job.spec.tier] += devices
+        job.held = devices
+        self.active[job.spec.job_id] = job
+        if job.started_at is None:
+            job.started_at = self.now
+        if job.preemptions and self.params.restore_s > 0:
+            job.phase = Phase.RESTORING
+            job.version += 1
+            self._at(self.now + self.params.restore_s, "running", job)
+        else:
+            self._run(job)
+
+    def _preemptible(self, tier: str) -> list[SimJob]:
+        return sorted((j for j in self.active.values()
+                       if TIER_RANK[j.spec.tier] > TIER_RANK[tier]
+                       and j.phase in (Phase.RUNNING, Phase.RESTORING)
+                       and not j.protected),
+                      key=lambda j: (-TIER_RANK[j.spec.tier], -(j.started_at or 0.0), j.spec.job_id))
+
+    def _preempt(self, job: SimJob) -> None:
+        self._update(job)
+        job.preemptions += 1
+        if self.params.mode == "native":
+            saved = job.done  # still restarting: nothing done since the last start
+            if job.phase == Phase.RUNNING:
+                kept = math.floor((self.now - job.run_start) / self.params.app_checkpoint_s) \
+                    * self.params.app_checkpoint_s * job.rate
+                saved = job.done_at_run_start + kept
+            job.lost += job.done - saved
+            if self.now <= self.horizon:
+                self.kept_seconds -= (job.done - saved) * job.spec.gpus
+            job.done = saved
+            self._release(job)
+            job.phase = Phase.PENDING
+            self._queue(job)
+            return
+        job.phase = Phase.CHECKPOINTING
+        self.coming += job.held
+        job.version += 1
+        self._at(self.now + self.params.checkpoint_s, "checkpointed", job)
+
+    def _schedule(self) -> None:
+        """One pass of the scheduler, in priority order. A job that must wait for devices being freed
+        (a preempted or shrinking job's checkpoint) keeps them, and the idle ones it needs, from
+        later jobs. In `controller` mode, elastic jobs of lower tiers are shrunk (within their
+        floors) rather than preempted whole where that makes room."""
+        elastic = self.params.mode == "controller"
+        free, coming = self.free, self.coming
+        for tier in TIER_RANK:
+            queue = self.pending[tier]
+            if not queue:
+                continue
+            victims: list[SimJob] | None = None
+            room = 0
+            below = sum(held for t, held in self.held_by_tier.items() if TIER_RANK[t] > TIER_RANK[tier])
+            for job in list(queue):
+                need = job.need if elastic else job.spec.gpus
+                if need <= free:
+                    got = min(job.spec.gpus, free)
+                    self._start(job, got)
+                    free -= got
+                    continue
+                if free + coming < need:
+                    if victims is None and free + coming + below < need:
+                        if free == 0 and coming <= 0 and below == 0:
+                            break  # nothing in this tier can start or preempt
+                        continue  # not even every lower-tier job would make room
+                    if victims is None:
+                        victims = self._preemptible(tier)
+                        room = sum(v.held for v in victims)
+                    if free + coming + room < need:
+                        if free == 0 and coming <= 0 and not victims:
+                            break  # nothing in this tier can start or preempt
+                        continue
+                    short = need - free - coming
+                    gives = {v.spec.job_id: v.held - policy.shrink_limit(self._view(v), self.policy)
+                             for v in victims if elastic and v.phase == Phase.RUNNING and v.spec.elastic}
+                    shrinkable = [v for v in victims if gives.get(v.spec.job_id, 0) > 0]
+                    if shrinkable and sum(gives[v.spec.job_id] for v in shrinkable) >= short:
+                        for victim in shrinkable:
+                            if short <= 0:
+                                break
+                            give = min(gives[victim.spec.job_id], short)
+                            held = victim.held
+                            if self._resize(victim, held - give):
+                                self.actions.append((self.now, policy.Shrink(
+                                    victim.spec.job_id, held - give,
+                                    f"makes room for {job.spec.tier} job {job.spec.job_id}")))
+                                short -= give
+                                coming += give
+                                victims.remove(victim)
+                                room -= held
+                    while short > 0 and victims:
+                        victim = victims.pop(0)
+                        held = victim.held
+                        room -= held
+                        short -= held
+                        self._preempt(victim)
+                        if self.params.mode == "native":
+                            free += held
+                        else:
+                            coming += held
+                    if need <= free:  # native mode frees at once
+                        got = min(job.spec.gpus, free)
+                        self._start(job, got)
+                        free -= got
+                        continue
+                take = min(free, need)
+                free -= take
+                coming -= need - take
+        self.unreserved = free
+
+    # --- the controller -------------------------------------------------------------------------
+
+    def _control(self) -> None:
+        waiting = (j for queue in self.pending.values() for j in queue)
+        views = [self._view(job) for job in (*self.active.values(), *waiting)
+                 if job.phase in (Phase.RUNNING, Phase.PENDING)]
+        # idle devices the scheduler keeps for a job that waits for a checkpoint are not idle to it
+        for action in policy.decide(policy.Snapshot(self.unreserved, tuple(views)), self.policy):
+            self.actions.append((self.now, action))
+            job = self.jobs[action.job_id]
+            if isinstance(action, policy.Protect | policy.Unprotect):
+                job.protected = isinstance(action, policy.Protect)
+            else:
+                self._resize(job, action.devices)
+
+    def _resize(self, job: SimJob, devices: int) -> bool:
+        """Checkpoint a running job and restart it on `devices` (a grow takes idle devices at once
+        and holds them through the restart; a shrink frees what it gives up once its checkpoint is
+        done). False where nothing would change."""
+        self._update(job)
+        if devices > job.held:
+            devices = job.held + min(devices - job.held, self.free)
+        devices = max(devices, job.spec.min_gpus)
+        if devices == job.held or job.phase != Phase.RUNNING:
+            return False
+        job.resizes += 1
+        job.phase = Phase.RESIZING
+        job.resize_to = devices
+        if devices > job.held:
+            self.free -= devices - job.held
+            self.held_by_tier[job.spec.tier] += devices - job.held
+            job.held = devices
+        else:
+            self.coming += job.held - devices
+        job.version += 1
+        self._at(self.now + self.params.checkpoint_s, "resized", job)
+        return True
+
+    # --- results --------------------------------------------------------------------------------
+
+    def _outcome(self, seconds: float) -> Outcome:
+        jobs = list(self.jobs.values())
+        end = max((j.finished or 0.0) for j in jobs) if jobs else 0.0
+        capacity = self.params.devices * self.horizon
+        attainment: dict[str, float | None] = {}
+        fractions: dict[str, float | None] = {}
+        completion: dict[str, dict[str, float]] = {}
+        for tier in FLOORS:
+            of_tier = [j for j in jobs if j.spec.tier == tier and j.finished is not None]
+            wins = [w for j in of_tier for w in accounting.windows(
+                j.segments, j.spec.gpus, j.spec.submit, j.finished, FLOORS[tier], self.params.window_s)]
+            attainment[tier] = accounting.attainment(wins)
+            fractions[tier] = round(statistics.fmean(w.fraction for w in wins), 4) if wins else None
+            times = sorted(j.finished - j.spec.submit for j in of_tier)
+            if times:
+                completion[tier] = {"mean": round(statistics.fmean(times), 1),
+                                    "p50": round(_quantile(times, 0.5), 1),
+                                    "p95": round(_quantile(times, 0.95), 1)}
+        return Outcome(self.params.mode, len(jobs), round(end, 1), round(self.horizon, 1),
+                       round(self.held_seconds / capacity, 4), round(self.kept_seconds / capacity, 4),
+                       attainment, fractions, completion,
+                       sum(j.preemptions for j in jobs), sum(j.resizes for j in jobs),
+                       round(sum(j.lost * j.spec.gpus for j in jobs), 1), round(seconds, 3))
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def compare(jobs: Sequence[trace.TraceJob], params: SimParams) -> list[Outcome]:
+    """The same trace under every mode, side by side."""
+    return [Simulation(jobs, SimParams(**{**asdict(params), "mode": mode})).run() for mode in MODES]
+
+
+def table(outcomes: Sequence[Outcome]) -> str:
+    """A Markdown table of the outcomes."""
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    rows = ["| mode | utilization | goodput | premium SLA | standard SLA | preemptions | resizes | "
+            "lost work (GPU-h) | mean JCT basic (h) |", "|---|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        jct = o.completion_s.get("basic", {}).get("mean")
+        rows.append(f"| {o.mode} | {o.utilization:.3f} | {o.goodput:.3f} | "
+                    f"{share(o.attainment['premium'])} | "
+                    f"{share(o.attainment['standard'])} | {o.preemptions} | {o.resizes} | "
+                    f"{o.lost_device_s / 3600:.1f} | {'-' if jct is None else f'{jct / 3600:.2f}'} |")
+    return "\n".join(rows)
+
+
+def plot(outcomes: Sequence[Outcome], path: Path, title: str) -> None:
+    """A figure of the outcomes side by side: fleet figures, SLA attainment per tier, and job
+    completion times per tier (needs matplotlib: the `sim` extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SimError("--plot needs matplotlib: pip install 'singularity-slurm[sim]'") from None
+    modes = [o.mode for o in outcomes]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
+    width = 0.8 / len(modes)
+
+    def bars(ax, groups, values_of, ylabel):
+        for i, o in enumerate(outcomes):
+            values = [values_of(o, g) for g in groups]
+            ax.bar([x + i * width for x in range(len(groups))], [v or 0 for v in values], width, label=o.mode)
+        ax.set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(groups))], groups)
+        ax.set_ylabel(ylabel)
+
+    bars(axes[0], ["utilization", "goodput"], lambda o, g: getattr(o, g), "share of device time")
+    axes[0].set_ylim(0, 1.05)
+    tiers = [t for t in FLOORS if FLOORS[t] > 0]
+    bars(axes[1], tiers, lambda o, t: o.attainment.get(t), "SLA attainment (job time meeting the floor)")
+    axes[1].set_ylim(0, 1.05)
+    bars(axes[2], list(FLOORS), lambda o, t: o.completion_s.get(t, {}).get("mean", 0) / 3600,
+         "mean job completion time (h)")
+    axes[0].legend(loc="lower right")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class SimError(Exception):
+    """What the simulator cannot do as asked; the message says why."""
+
+
+def _shares(text: str) -> tuple[tuple[str, float], ...]:
+    shares = []
+    for part in text.split(","):
+        tier, _, share = part.partition("=")
+        if tier.strip() not in FLOORS:
+            raise argparse.ArgumentTypeError(f"unknown tier {tier.strip()!r} in {text!r}; "
+                                             f"valid: {', '.join(FLOORS)}")
+        try:
+            value = float(share)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a share: {share!r} in {text!r} "
+                                             "(e.g. premium=0.2)") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"a share must be a non-negative number, not {share!r}")
+        shares.append((tier.strip(), value))
+    if not sum(v for _, v in shares) > 0:
+        raise argparse.ArgumentTypeError(f"the shares in {text!r} add up to nothing")
+    return tuple(shares)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import importers, synth
+
+    parser = argparse.ArgumentParser(
+        prog="singularity-sim",
+        description="Replay a job trace on a simulated Slurm cluster under Slurm's native preemption "
+                    "(native), Singularity's work-conserving checkpoints (singularity), and Singularity "
+                    "with the SLA controller's elasticity and protection (controller), side by side, and "
+                    "report utilization, goodput, per-tier SLA attainment, completion times, preemptions "
+                    "and resizes.",
+        epilog="Trace formats: csv (job_id, submit_s, duration_s, gpus, tier[, min_gpus]; see "
+               "singularity_slurm.sla.trace), philly (Philly's cluster_job_log JSON), helios (Helios's "
+               "cluster_log.csv). Published traces have no tiers: --tier-shares and --elastic-share draw "
+               "them per job, the same way every run. Exit status: 0, or 2 for a bad trace or option.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("trace", type=Path, nargs="?", help="the job trace")
+    source.add_argument("--synthetic", type=int, metavar="JOBS",
+                        help="simulate a synthetic trace of JOBS jobs shaped like published ones instead")
+    parser.add_argument("--format", choices=importers.FORMATS, default="csv", help="the trace's format (csv)")
+    parser.add_argument("--tier-shares", type=_shares, default=importers.DEFAULT_SHARES,
+                        metavar="premium=P,standard=S,basic=B",
+                        help="tiers drawn for a trace without them "
+                             "(default premium=0.2,standard=0.3,basic=0.5)")
+    parser.add_argument("--elastic-share", type=float, default=0.5,
+                        help="share of multi-device non-premium jobs drawn elastic (default 0.5)")
+    parser.add_argument("--load", type=float, default=1.0,
+                        help="--synthetic: offered load as a share of the cluster's capacity (default 1.0)")
+    parser.add_argument("--seed", type=int, default=1, help="--synthetic: random seed (default 1)")
+    parser.add_argument("--nodes", type=int, default=SimParams.nodes,
+                        help=f"nodes (default {SimParams.nodes})")
+    parser.add_argument("--gpus-per-node", type=int, default=SimParams.gpus_per_node,
+                        help=f"devices per node (default {SimParams.gpus_per_node})")
+    parser.add_argument("--mode", choices=[*MODES, "all"], default="all", help="which model to run (all)")
+    parser.add_argument("--checkpoint-s", type=float, default=SimParams.checkpoint_s,
+                        help=f"seconds a preempted job takes to checkpoint, holding its devices "
+                             f"(default {SimParams.checkpoint_s:g})")
+    parser.add_argument("--restore-s", type=float, default=SimParams.restore_s,
+                        help=f"seconds a job takes to start again after a preemption or resize "
+                             f"(default {SimParams.restore_s:g})")
+    parser.add_argument("--app-checkpoint-s", type=float, default=SimParams.app_checkpoint_s,
+                        help=f"native: how often a job checkpoints itself "
+                             f"(default {SimParams.app_checkpoint_s:g})")
+    parser.add_argument("--window-s", type=float, default=SimParams.window_s,
+                        help=f"the SLA accounting window (default {SimParams.window_s:g})")
+    parser.add_argument("--controller-period-s", type=float, default=SimParams.controller_period_s,
+                        help=f"controller: how often it decides "
+                             f"(default {SimParams.controller_period_s:g})")
+    parser.add_argument("--write-trace", type=Path, metavar="FILE",
+                        help="also write the trace simulated, as csv")
+    parser.add_argument("--plot", type=Path, metavar="FILE",
+                        help="also draw the outcomes (PNG; needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    args = parser.parse_args(argv)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        parser.error("--nodes and --gpus-per-node must be at least 1")
+    if args.synthetic is not None and args.synthetic < 1:
+        parser.error("--synthetic needs at least 1 job")
+    if not (0 <= args.elastic_share <= 1):
+        parser.error("--elastic-share must be between 0 and 1")
+    if not (math.isfinite(args.load) and args.load > 0):
+        parser.error("--load must be a positive number")
+    for name in ("checkpoint_s", "restore_s", "app_checkpoint_s", "window_s", "controller_period_s"):
+        value = getattr(args, name)
+        positive = name in ("app_checkpoint_s", "window_s", "controller_period_s")
+        if not (math.isfinite(value) and value >= 0) or (positive and value == 0):
+            parser.error(f"--{name.replace('_', '-')} must be a {'positive' if positive else 'non-negative'} "
+                         f"number of seconds, not {value:g}")
+    params = SimParams(args.nodes, args.gpus_per_node, "singularity", args.checkpoint_s, args.restore_s,
+                       args.app_checkpoint_s, args.window_s, args.controller_period_s)
+    try:
+        if args.synthetic is not None:
+            jobs = synth.generate(args.synthetic, params.devices, args.load, args.seed,
+                                  elastic_share=args.elastic_share)
+            name = f"synthetic trace ({args.synthetic} jobs, load {args.load:g}, seed {args.seed})"
+        else:
+            try:
+                text = args.trace.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise trace.TraceError(f"cannot read the trace {args.trace}: "
+                                       f"{getattr(exc, 'strerror', None) or exc}") from None
+            jobs = importers.load(text, args.format, str(args.trace), args.tier_shares, args.elastic_share)
+            name = f"{args.trace.name} ({len(jobs)} jobs)"
+        if not jobs:
+            raise trace.TraceError(f"{args.trace}: the trace holds no job to simulate")
+        if args.write_trace:
+            args.write_trace.write_text(trace.write(jobs))
+        if args.mode == "all":
+            outcomes = compare(jobs, params)
+        else:
+            outcomes = [Simulation(jobs, SimParams(**{**asdict(params), "mode": args.mode})).run()]
+        if args.plot:
+            plot(outcomes, args.plot, f"{name} on {args.nodes} x {args.gpus_per_node} devices")
+    except (trace.TraceError, SimError, OSError) as exc:
+        print(f"singularity-sim: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(o) for o in outcomes], indent=2))
+    else:
+        print(f"{name} on {args.nodes} x {args.gpus_per_node} devices")
+        print(table(outcomes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The SLA controller's decisions: snapshot in, actions out (sla.policy)."""
+
+from __future__ import annotations
+
+from singularity_slurm.sla.policy import (
+    Grow,
+    JobView,
+    Params,
+    Protect,
+    Shrink,
+    Snapshot,
+    Unprotect,
+    decide,
+    fewest_to_start,
+    shrink_limit,
+)
+
+PARAMS = Params(preemption_cost_s=120.0, unprotect_factor=3.0)
+
+
+def job(job_id: str, tier: str, requested: int, held: int, min_devices: int | None = None,
+        slack: float = 3000.0, window_left: float = 3000.0, protected: bool = False,
+        submitted: float = 0.0) -> JobView:
+    return JobView(job_id, tier, requested, requested if min_devices is None else min_devices, held, slack,
+                   window_left, protected, submitted)
+
+
+def test_a_job_that_could_not_survive_another_preemption_is_protected_and_released_with_room_again() -> None:
+    snapshot = Snapshot(0, (job("s", "standard", 4, 4, slack=100), job("p", "premium", 4, 4, slack=50),
+                            job("b", "basic", 4, 4, slack=-999), job("r", "standard", 4, 4, slack=400,
+                                                                      protected=True),
+                            job("h", "standard", 4, 4, slack=300, protected=True)))
+    actions = decide(snapshot, PARAMS)
+    # tier, then submission order; basic has no floor
+    assert actions == [Protect("p", ""), Unprotect("r", ""), Protect("s", "")]
+    assert "a preemption costs 120s" in actions[0].reason
+
+
+def test_lower_tier_elastic_jobs_shrink_to_make_room_for_a_waiting_job_within_their_floors() -> None:
+    snapshot = Snapshot(1, (
+        job("want", "premium", 6, 0),
+        job("b1", "basic", 8, 8, min_devices=2),  # may give 6
+        job("s1", "standard", 10, 10, min_devices=2),  # its tier's floor keeps 7 of 10
+        job("b2", "basic", 4, 4, min_devices=1, protected=True),  # protected: never shrunk
+    ))
+    actions = decide(snapshot, PARAMS)
+    assert actions == [Shrink("b1", 3, "")]  # 1 idle + 5 from the basic job
+    assert "premium job want" in actions[0].reason
+
+
+def test_nothing_is_shrunk_where_shrinking_cannot_make_room() -> None:
+    snapshot = Snapshot(0, (job("want", "standard", 8, 0), job("b1", "basic", 8, 8, min_devices=4),
+                            job("p1", "premium", 8, 8, min_devices=1)))
+    assert decide(snapshot, PARAMS) == []  # the basic job gives 4 of 8; a premium job is no victim
+
+
+def test_a_standard_job_is_not_shrunk_below_its_floor_or_past_what_its_window_can_afford() -> None:
+    roomy = job("s", "standard", 10, 10, min_devices=1, slack=2000, window_left=3000)
+    assert shrink_limit(roomy, PARAMS) == 7
+    # it owes 3000 - 500 = 2500 s of the 2520 the floor asks, over 2880 usable seconds: 9 devices
+    tight = job("s", "standard", 10, 10, min_devices=1, slack=500, window_left=3000)
+    assert shrink_limit(tight, PARAMS) == 9
+    assert shrink_limit(job("s", "standard", 10, 10, min_devices=1, slack=100), PARAMS) == 10
+    assert shrink_limit(job("b", "basic", 10, 10, min_devices=1, slack=-5), PARAMS) == 1
+    assert shrink_limit(job("b", "basic", 10, 10, min_devices=1, protected=True), PARAMS) == 10
+
+
+def test_elastic_jobs_start_on_no_fewer_devices_than_their_tiers_floor_asks() -> None:
+    assert fewest_to_start("basic", 8, 2) == 2
+    assert fewest_to_start("standard", 8, 2) == 6
+    assert fewest_to_start("premium", 8, 2) == 8
+    assert fewest_to_start("standard", 8, 8) == 8
+
+
+def test_idle_devices_no_waiting_job_can_use_grow_shrunk_jobs_higher_tiers_first() -> None:
+    snapshot = Snapshot(3, (job("b", "basic", 8, 4, min_devices=2, submitted=1),
+                            job("s", "standard", 8, 6, min_devices=2, submitted=5),
+                            job("w", "basic", 4, 0)))  # waits for 4: cannot use 3, nor shrink its tier
+    assert decide(snapshot, PARAMS) == [Grow("s", 8, ""), Grow("b", 5, "")]
+    waiting_fits = Snapshot(3, (job("b", "basic", 8, 4, min_devices=2), job("w", "basic", 2, 0)))
+    assert decide(waiting_fits, PARAMS) == [Grow("b", 5, "")]  # Slurm starts the waiting job on 2 of 3

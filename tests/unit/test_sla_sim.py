@@ -1,0 +1,129 @@
+"""The fleet simulator: small scenarios worked by hand, and the command line (sla.sim)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from singularity_slurm.sla import policy, sim, synth, trace
+from singularity_slurm.sla.trace import TraceJob
+
+
+def params(mode: str, **more) -> sim.SimParams:
+    return sim.SimParams(**{"nodes": 1, "gpus_per_node": 8, "mode": mode, "checkpoint_s": 30.0,
+                            "restore_s": 60.0, "app_checkpoint_s": 3600.0, **more})
+
+
+PREEMPTED = [TraceJob("basic", 0.0, 7200.0, 8, "basic", 8),
+             TraceJob("premium", 4000.0, 1000.0, 8, "premium", 8)]
+
+
+def run(jobs, mode: str, **more) -> sim.Simulation:
+    simulation = sim.Simulation(jobs, params(mode, **more))
+    simulation.outcome = simulation.run()
+    # devices are conserved: every one is idle again once every job has ended
+    assert (simulation.free, simulation.coming) == (simulation.params.devices, 0)
+    return simulation
+
+
+def test_natively_a_preempted_job_loses_its_work_since_its_own_last_checkpoint() -> None:
+    s = run(PREEMPTED, "native")
+    basic, premium = s.jobs["basic"], s.jobs["premium"]
+    assert premium.finished == 5000.0  # the basic job's devices are free at once
+    assert basic.lost == pytest.approx(400.0)  # 4000 s run, its checkpoint at 3600 s
+    assert basic.finished == pytest.approx(5000.0 + 60.0 + 3600.0)
+    assert s.outcome.lost_device_s == pytest.approx(400.0 * 8) and s.outcome.preemptions == 1
+
+
+def test_with_singularity_the_preempted_job_checkpoints_and_loses_nothing() -> None:
+    s = run(PREEMPTED, "singularity")
+    basic, premium = s.jobs["basic"], s.jobs["premium"]
+    assert premium.finished == 4030.0 + 1000.0  # it waits for the 30 s checkpoint
+    assert basic.lost == 0.0
+    assert basic.finished == pytest.approx(5030.0 + 60.0 + 3200.0)
+    # the premium job waited 30 s of its 1030: 0.971 of its only window, above its 0.95
+    assert s.outcome.attainment["premium"] == 1.0
+    assert s.outcome.mean_fraction["premium"] == pytest.approx(1000 / 1030, abs=1e-4)
+
+
+def test_the_controller_shrinks_an_elastic_job_instead_and_grows_it_back_when_the_devices_free() -> None:
+    jobs = [TraceJob("basic", 0.0, 7200.0, 8, "basic", 2),
+            TraceJob("premium", 4000.0, 1000.0, 4, "premium", 4)]
+    s = run(jobs, "controller", controller_period_s=60.0)
+    basic, premium = s.jobs["basic"], s.jobs["premium"]
+    assert basic.preemptions == 0 and basic.resizes == 2  # shrunk to 4, grown back to 8
+    assert premium.finished == 4030.0 + 1000.0
+    shrink, grow = [a for _, a in s.actions if isinstance(a, policy.Shrink | policy.Grow)]
+    assert (shrink, grow) == (policy.Shrink("basic", 4, ""), policy.Grow("basic", 8, ""))
+    grown_at = next(t for t, a in s.actions if a == grow)
+    assert 5030.0 <= grown_at <= 5030.0 + 60.0  # at the controller's first look after the premium end
+    # 4000 s at full size, 30 s checkpoint + 60 s restore at 0, 4 of 8 until the grow, 90 s at 0,
+    # then full size for the rest
+    half = grown_at - 4090.0
+    assert basic.finished == pytest.approx(grown_at + 90.0 + (7200.0 - 4000.0 - half / 2))
+
+
+def test_a_job_larger_than_the_cluster_is_refused() -> None:
+    with pytest.raises(trace.TraceError, match="asks for 16 devices; the cluster has 8"):
+        sim.Simulation([TraceJob("big", 0.0, 10.0, 16, "basic", 16)], params("native"))
+
+
+@pytest.mark.parametrize("mode", sim.MODES)
+def test_a_busy_synthetic_fleet_ends_every_job_with_every_device_accounted(mode: str) -> None:
+    jobs = synth.generate(400, 32, load=1.3, seed=7)
+    s = run(jobs, mode, nodes=4)
+    assert all(j.finished is not None for j in s.jobs.values())
+    assert 0.5 < s.outcome.utilization <= 1.0 and 0 < s.outcome.goodput <= s.outcome.utilization + 1e-9
+    assert s.outcome.preemptions > 0
+
+
+def test_the_same_trace_side_by_side_keeps_work_that_native_preemption_loses() -> None:
+    jobs = synth.generate(400, 32, load=1.3, seed=7)
+    native, singularity, controller = sim.compare(jobs, params("native", nodes=4))
+    assert native.lost_device_s > 0 and singularity.lost_device_s == controller.lost_device_s == 0
+    assert singularity.goodput > native.goodput
+    assert controller.resizes > 0
+    assert "| native |" in sim.table([native, singularity, controller])
+
+
+def test_the_command_line_reads_a_trace_and_prints_a_table_or_json(tmp_path, capsys) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(trace.write(PREEMPTED))
+    assert sim.main([str(path), "--nodes", "1", "--gpus-per-node", "8"]) == 0
+    assert "| singularity |" in capsys.readouterr().out
+    assert sim.main([str(path), "--nodes", "1", "--mode", "native", "--json"]) == 0
+    [outcome] = json.loads(capsys.readouterr().out)
+    assert outcome["mode"] == "native" and outcome["lost_device_s"] == pytest.approx(3200.0)
+
+
+def test_the_command_line_names_the_bad_line_of_a_trace_and_fails(tmp_path, capsys) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("job_id,submit_s,duration_s,gpus,tier\na,0,10,1,basic\nb,5,10,1,gold\n")
+    assert sim.main([str(path)]) == 2
+    assert f"singularity-sim: {path}:3: unknown tier 'gold'" in capsys.readouterr().err
+    assert sim.main([str(tmp_path / "missing.csv")]) == 2
+    assert "cannot read the trace" in capsys.readouterr().err
+
+
+def test_the_command_line_simulates_writes_and_draws_a_synthetic_trace(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    out, figure = tmp_path / "trace.csv", tmp_path / "plot.png"
+    argv = ["--synthetic", "50", "--nodes", "2", "--write-trace", str(out), "--plot", str(figure)]
+    assert sim.main(argv) == 0
+    assert len(trace.parse(out.read_text())) == 50
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "synthetic trace (50 jobs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--synthetic", "0"], "--synthetic needs at least 1 job"),
+    (["--synthetic", "5", "--window-s", "0"], "--window-s must be a positive number"),
+    (["--synthetic", "5", "--tier-shares", "gold=1"], "unknown tier 'gold'"),
+    (["--synthetic", "5", "--load", "-1"], "--load must be a positive number"),
+])
+def test_bad_options_are_refused_saying_which(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        sim.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
