@@ -110,6 +110,19 @@ class DumpResult:
     leave_running: bool
 
 
+def frozen_seconds(images_dir: Path) -> float | None:
+    """How long criu kept the tree frozen during its dump (its `stats-dump` image's frozen time);
+    None where the image is missing or unreadable."""
+    try:
+        import pycriu
+
+        with open(images_dir / "stats-dump", "rb") as handle:
+            entries = pycriu.images.load(handle)["entries"]
+        return int(entries[0]["dump"]["frozen_time"]) / 1e6
+    except Exception:  # pycriu raises whatever its parser meets; the figure is for accounting only
+        return None
+
+
 class Criu:
     """Dump and restore through pycriu's swrk mode, one criu process per call."""
 

@@ -124,3 +124,18 @@ def job_requests(job_id_: int | str) -> str:
 def job_reply(job_id_: int | str, request_id_: str) -> str:
     """List: the node agent's JSON answer to one admin request; short-lived."""
     return f"{PREFIX}:job:{job_id(job_id_)}:reply:{request_id(request_id_)}"
+
+
+def sla_leader() -> str:
+    """The SLA controller's leader lease: the holder's identity, with an expiry."""
+    return f"{PREFIX}:sla:leader"
+
+
+def sla_actions() -> str:
+    """The SLA controller's decisions, newest last, bounded."""
+    return f"{PREFIX}:sla:actions"
+
+
+def sla_protected() -> str:
+    """The jobs the SLA controller protects (job ids)."""
+    return f"{PREFIX}:sla:protected"

@@ -31,6 +31,10 @@ class NodeStart:
     restart_count: int
     started_at: float
     services: dict[str, int] = field(default_factory=dict)  # name -> pid
+    # the job's request and first eligibility, from Slurm's record, for the SLA accounting (kept
+    # from the first start that knows them)
+    requested_devices: int | None = None
+    eligible_at: float | None = None
 
 
 def connect(config: RedisConfig, timeout: float = 5.0) -> redis.Redis:
@@ -80,6 +84,10 @@ class Registry:
             "updated_at": now,
         })
         pipe.hsetnx(keys.job(start.job_id), "first_started_at", start.started_at)
+        if start.requested_devices:
+            pipe.hsetnx(keys.job(start.job_id), "requested_devices", start.requested_devices)
+        if start.eligible_at:
+            pipe.hsetnx(keys.job(start.job_id), "eligible_at", start.eligible_at)
         pipe.hset(keys.job(start.job_id), "started_at", start.started_at)
         pipe.hset(keys.job_node(start.job_id, start.node), mapping={
             "gpus": ",".join(start.gpus),
@@ -89,7 +97,7 @@ class Registry:
         pipe.sadd(keys.job_nodes(start.job_id), start.node)
         pipe.rpush(keys.job_events(start.job_id), json.dumps({
             "event": "node_start", "node": start.node, "time": start.started_at,
-            "restart_count": start.restart_count,
+            "restart_count": start.restart_count, "gpus": len(start.gpus),
         }))
         pipe.zadd(keys.jobs(), {str(start.job_id): now})
         pipe.zremrangebyscore(keys.jobs(), "-inf", now - RECORD_TTL_S)
@@ -117,15 +125,25 @@ class Registry:
                 pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
-    def record_checkpoint(self, job_id: int, summary: dict) -> None:
-        """Index a committed checkpoint (the store stays the truth; this only serves `status`)."""
+    def record_checkpoint(self, job_id: int, summary: dict, stop: bool | None = None,
+                          dump_seconds: float | None = None, frozen_seconds: float | None = None) -> None:
+        """Index a committed checkpoint (the store stays the truth; this only serves `status` and
+        the SLA accounting: how long it took, when its dump ended, how long criu kept the tree frozen,
+        whether the tree stays stopped)."""
         pipe = self.redis.pipeline()
         pipe.rpush(keys.job_checkpoints(job_id), json.dumps(summary))
         pipe.ltrim(keys.job_checkpoints(job_id), -50, -1)
         pipe.rpush(keys.job_events(job_id), json.dumps(
             {"event": "checkpoint", "seq": summary.get("seq"), "reason": summary.get("reason"),
-             "node": summary.get("node"), "time": self.clock()}))
+             "node": summary.get("node"), "seconds": summary.get("seconds"), "stop": stop,
+             "dump_seconds": dump_seconds, "frozen_seconds": frozen_seconds, "time": self.clock()}))
         pipe.execute()
+
+    def record_running(self, job_id: int, node: str, how: str, devices: int) -> None:
+        """From now the job's trees on `node` run (`how`: start | restore) on `devices` of its
+        devices (for the SLA accounting)."""
+        self.redis.rpush(keys.job_events(job_id), json.dumps(
+            {"event": "running", "how": how, "node": node, "devices": devices, "time": self.clock()}))
 
     def record_failure(self, job_id: int, node: str, reason: str, error: str) -> None:
         """A checkpoint that failed (the job then resumes from its last good one)."""
@@ -173,6 +191,9 @@ class Registry:
                 "state": record.get("state"),
                 "restart_count": int(record.get("restart_count", 0)),
                 "first_started_at": float(record.get("first_started_at", 0) or 0),
+                "requested_devices": (int(record["requested_devices"]) if "requested_devices" in record
+                                      else None),
+                "eligible_at": float(record["eligible_at"]) if "eligible_at" in record else None,
                 "started_at": float(record.get("started_at", 0) or 0),
                 "ended_at": float(record["ended_at"]) if "ended_at" in record else None,
                 "nodes": nodes,

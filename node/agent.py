@@ -268,6 +268,7 @@ class AgentState:
         LOG.info("job %s node %s: started %s (trees %s)", self.job_id, self.node,
                  specs[next(iter(specs))].argv, {t.index: t.init_pid for t in trees})
         self._record_size("start")
+        self._record_running("start")
         return {"init_pid": self.init_pid, "trees": {str(t.index): t.init_pid for t in trees}}
 
     def op_restore(self, request: dict) -> dict:
@@ -312,6 +313,7 @@ class AgentState:
         LOG.info("job %s node %s: restored checkpoint %s (trees %s)", self.job_id, self.node,
                  [r["seq"] for r in results], [t.index for t in trees])
         self._record_size("restore", results[0].get("reason"), results[0].get("placement"))
+        self._record_running("restore")
         return _merged(results, [t.index for t in trees])
 
     def _record_size(self, how: str, cause: str | None = None, was: dict | None = None) -> None:
@@ -322,6 +324,16 @@ class AgentState:
         if size is None or 0 not in self.trees or index is None:
             return
         index(lambda registry: registry.record_size(self.job_id, self.node, how, size, cause, was))
+
+    def _record_running(self, how: str) -> None:
+        """For the SLA accounting: this node's trees run from now, on the devices whose proxies
+        serve their ranks (a distributed job), or on all of the job's devices here (one per proxy;
+        a node without devices counts as one)."""
+        index = getattr(self.engine, "_index", None)
+        if index is None:
+            return
+        devices = len(self.proxies) if self.proxies else max(len(self.local_proxies()), 1)
+        index(lambda registry: registry.record_running(self.job_id, self.node, how, devices))
 
     def _job_cgroups(self) -> list[Path]:
         """The job's extern step cgroups, from the caller's (a process of a step of the job here).

@@ -24,6 +24,7 @@ from singularity_slurm.checkpoint.criu import (
     RestoreFailed,
     RestoreRefused,
     filelog_shim_path,
+    frozen_seconds,
     reap,
     wrapper_path,
 )
@@ -294,6 +295,7 @@ class CheckpointEngine:
         faults.point(self.config, "dump", self.node)
         self.criu.dump(init_pid, work, leave_running=not stop)
         dumped = time.monotonic()
+        frozen = frozen_seconds(work)
         devices = anondev.history(self.devices, anondev.checkpoint_devices(work))
         creds = UserCreds.of_uid(uid)
         copies = work.with_name(work.name + "-local")
@@ -313,7 +315,9 @@ class CheckpointEngine:
         localfiles.tell_job(creds, output, local.notices, f"{NOTICE}checkpoint {manifest.seq}: ")
         faults.point(self.config, "commit", self.node)  # committed, not yet answered (nor requeued)
         summary = summarize(manifest, time.monotonic() - started)
-        self._index(lambda registry: registry.record_checkpoint(job_id, summary))
+        self._index(lambda registry: registry.record_checkpoint(
+            job_id, summary, stop=stop, dump_seconds=manifest.meta.get("dump_seconds"),
+            frozen_seconds=frozen))
         return {**summary, "notices": local.notices} if local.notices else summary
 
     def _upload(self, job_id: int, work: Path, reason: str, meta: dict[str, Any],

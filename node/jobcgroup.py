@@ -275,7 +275,7 @@ def members(target: Path) -> set[int]:
 @dataclass(frozen=True)
 class Swept:
     """What `end_below_extern` did: the processes it ended, those still there after its wait, the
-    cgroups it found below the job's extern steps, and the folders it could not remove."""
+    cgroups it found below the job's extern steps, and those of them it could not remove."""
 
     ended: list[int]
     left: list[int]
@@ -332,7 +332,8 @@ def below_extern(externs: Iterable[Path], unreadable: list[Path] | None = None) 
 
 
 def _note(unreadable: list[Path] | None, exc: OSError) -> None:
-    if unreadable is not None and exc.filename:
+    """A folder os.walk could not list (one that is gone meanwhile is no problem)."""
+    if unreadable is not None and exc.filename and not isinstance(exc, FileNotFoundError):
         unreadable.append(Path(exc.filename))
 
 
@@ -417,12 +418,8 @@ def end_below_extern(externs: Sequence[Path], timeout: float = 10.0) -> Swept:
     left = sorted({pid for cgroup in cgroups for pid in members(cgroup)})
     kept = [cgroup for cgroup in cgroups if not _rmdir(cgroup)]
     for extern in externs:
-        if not extern.exists():
-            continue
-        if _rmdir(extern):
+        if _rmdir(extern):  # where Slurm has not yet: it removes its own folders when it can
             _rmdir(extern.parent)  # job_<id>: Slurm's steps here are over
-        else:
-            kept.append(extern)
     kept += [folder for folder in unreadable if folder not in kept]
     return Swept(sorted(ended - set(left)), left, seen, kept)
 

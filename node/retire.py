@@ -53,7 +53,7 @@ def settled_state(slurm: SlurmClient, job_id: int, timeout: float = SETTLE_TIMEO
 
 def slurm_states(slurm: SlurmClient) -> dict[str, str]:
     """job id -> state of every job Slurm knows (raises if Slurm cannot say: never sweep blind)."""
-    return {r["JobId"]: r.get("JobState", "") for r in slurm.jobs() if r.get("JobId", "").isdigit()}
+    return {r["JobId"]: r.get("JobState", "") for r in slurm.job_table()}
 
 
 def sweep_job(config: Config, job_id: int, state: str | None, now: float) -> list[retention.SweepAction]:

@@ -23,7 +23,7 @@ from singularity_slurm.jobenv import (
 )
 from singularity_slurm.node import services
 from singularity_slurm.nodelog import node_logger
-from singularity_slurm.slurmcli import SlurmClient
+from singularity_slurm.slurmcli import SlurmClient, allocated_devices, parse_time
 
 AGENT = services.AGENT
 PROXY = "proxy-"
@@ -119,15 +119,37 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
         return 1
     log.info("tier=%s user=%s gpus=%s restart=%d services=%s", job.tier, job.user,
              ",".join(job.gpus) or "-", job.restart_count, pids)
+    requested, eligible = sla_facts(job, SlurmClient(timeout=5)) if job.restart_count == 0 else (None, None)
     try:
         Registry(connect(config.redis)).record_node_start(NodeStart(
             job_id=job.job_id, node=job.node, user=job.user, uid=job.uid, tier=job.tier,
             partition=job.partition, gpus=job.gpus, restart_count=job.restart_count,
-            started_at=started_at, services=pids,
+            started_at=started_at, services=pids, requested_devices=requested, eligible_at=eligible,
         ))
     except (RegistryError, OSError) as exc:
         log.warning("job not recorded in the registry (the job runs anyway): %s", exc)
     return 0
+
+
+def sla_facts(job: JobContext, slurm: SlurmClient) -> tuple[int | None, float | None]:
+    """What the SLA accounting measures the job against, from Slurm's record at its first start:
+    the devices of its allocation (one per node for a job without GPUs) and when it first became
+    eligible to run. (None, None) where Slurm does not answer: the accounting then takes the
+    first start's devices and time."""
+    try:
+        record = slurm.job(job.job_id)
+    except (SingularityError, OSError):
+        return None, None
+    if record is None:
+        return None, None
+    # Only fields scontrol always prints after the job's name, which its user chooses (a name may
+    # hold ` TresPerNode=...`; the real field, printed later, wins): TRES, NumNodes, EligibleTime.
+    # TRES counts GPUs where accounting tracks gres/gpu; else this node's GPUs (slurmd's word) on
+    # each of the job's nodes.
+    nodes = (record.get("NumNodes") or "1").split("-")[0]
+    count = int(nodes) if nodes.isdigit() else 1
+    requested = allocated_devices({"TRES": record.get("TRES", "")}) or max(len(job.gpus), 1) * count
+    return requested, parse_time(record.get("EligibleTime"))
 
 
 def main() -> int:

@@ -107,3 +107,108 @@ def attainment(all_windows: Iterable[Window]) -> float | None:
     if not total:
         return None
     return sum(w.end - w.start for w in closed if w.met) / total
+
+
+STOPPING_REASONS = frozenset({"preempt", "migrate", "resize", "requeue", "drain"})
+"""Checkpoint reasons after which the tree stays stopped (for records that do not say)."""
+
+
+def segments_from_events(events: Iterable[dict], requested: float) -> list[Segment]:
+    """A job's timeline from its registry events (each with `event`, `node`, `time`):
+
+    - `running` (node, devices): from then the node's trees run on `devices`;
+    - `checkpoint` (node, seconds, stop, dump_seconds, frozen_seconds): the tree stops when criu
+      freezes it, `frozen_seconds` before its dump ended (`dump_seconds` after the checkpoint began,
+      `seconds` before `time`), or where criu's figure is missing when the checkpoint began; a
+      stopping one ends the node's running there, another only until its dump ended;
+    - `node_start`, `node_end`: the node's running ends (a new allocation, the job's end there); in a
+      job with no `running` event at all (its script never ran `singularityctl run`), a node's
+      start begins its running, on its `gpus` (or 1).
+
+    The devices of all nodes add up, at most `requested`; the result is back to back, merged."""
+    per_node: dict[str, list[tuple[float, float, float]]] = {}
+    open_: dict[str, tuple[float, float]] = {}  # node -> (since, devices)
+    gaps: list[tuple[float, float, str]] = []
+
+    def close(node: str, at: float) -> None:
+        if node in open_:
+            since, devices = open_.pop(node)
+            if at > since:
+                per_node.setdefault(node, []).append((since, at, devices))
+
+    timed = sorted((e for e in events if isinstance(e.get("time"), int | float)), key=lambda e: e["time"])
+    # a job that never ran `singularityctl run` holds its allocation from each node's start to its end
+    plain = not any(e.get("event") == "running" for e in timed)
+    for event in timed:
+        node, at, kind = str(event.get("node")), float(event["time"]), event.get("event")
+        if kind == "node_start" and plain:
+            close(node, at)
+            gpus = event.get("gpus")
+            open_[node] = (at, float(gpus) if isinstance(gpus, int | float) and gpus > 0 else 1.0)
+        elif kind == "running":
+            close(node, at)
+            devices = event.get("devices")
+            open_[node] = (at, float(devices) if isinstance(devices, int | float) and devices > 0 else 1.0)
+        elif kind == "checkpoint":
+            began = at - _seconds(event, "seconds")
+            dumped = began + _seconds(event, "dump_seconds")  # criu's dump ended
+            frozen = event.get("frozen_seconds")
+            # the tree stopped running when criu froze it (its own figure), else when the checkpoint began
+            freeze = max(dumped - float(frozen), began) if isinstance(frozen, int | float) and frozen >= 0 \
+                else began
+            stop = event.get("stop")
+            if stop is None:
+                stop = event.get("reason") in STOPPING_REASONS
+            if stop:
+                close(node, freeze)
+            elif dumped > freeze:
+                gaps.append((freeze, dumped, node))
+        elif kind in ("node_start", "node_end"):
+            close(node, at)
+    # a node still running is counted until the caller's `until`
+    for node, (since, devices) in open_.items():
+        per_node.setdefault(node, []).append((since, math.inf, devices))
+
+    cuts: dict[float, float] = {}  # time -> change in devices
+    for node, spans in per_node.items():
+        node_gaps = sorted((a, b) for a, b, n in gaps if n == node)
+        for start, end, devices in spans:
+            for piece_start, piece_end in _minus(start, end, node_gaps):
+                cuts[piece_start] = cuts.get(piece_start, 0.0) + devices
+                cuts[piece_end] = cuts.get(piece_end, 0.0) - devices
+    segments: list[Segment] = []
+    level, last = 0.0, None
+    for at in sorted(cuts):
+        if last is not None and at > last and level > 1e-9:
+            held = min(level, requested)
+            if segments and segments[-1].end == last and segments[-1].devices == held:
+                segments[-1] = Segment(segments[-1].start, at, held)
+            else:
+                segments.append(Segment(last, at, held))
+        level += cuts[at]
+        last = at
+    return segments
+
+
+def _seconds(event: dict, name: str) -> float:
+    value = event.get(name)
+    return max(float(value), 0.0) if isinstance(value, int | float) else 0.0
+
+
+def _minus(start: float, end: float, gaps: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[start, end) less the (sorted) gaps."""
+    pieces, at = [], start
+    for gap_start, gap_end in gaps:
+        if gap_end <= at or gap_start >= end:
+            continue
+        if gap_start > at:
+            pieces.append((at, gap_start))
+        at = max(at, gap_end)
+    if at < end:
+        pieces.append((at, end))
+    return pieces
+
+
+def clip(segments: Sequence[Segment], until: float) -> list[Segment]:
+    """The segments up to `until` (a job still running: now)."""
+    return [Segment(s.start, min(s.end, until), s.devices) for s in segments if s.start < until]

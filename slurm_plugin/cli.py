@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -62,6 +63,78 @@ def main(ctx: click.Context, config_path: Path | None) -> None:
     this command shows what Singularity knows of jobs, and lets admins check and run a cluster.
     """
     ctx.obj = config_path
+
+
+@main.command()
+@click.argument("job_id", type=int, required=False)
+@click.option("--tier", type=click.Choice(["premium", "standard", "basic"]), help="Only jobs of this tier.")
+@click.option("--window", "window_s", type=click.IntRange(10, 86400), metavar="SECONDS",
+              help="Accounting window [default: the configuration's sla.window_s, 3600].")
+@click.option("--actions", "show_actions", is_flag=True,
+              help="Show the SLA controller's decisions (of JOB_ID, or all), with reason and outcome.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one object per job) for scripts.")
+@click.pass_obj
+def sla(config_path: Path | None, job_id: int | None, tier: str | None, window_s: int | None,
+        show_actions: bool, as_json: bool) -> None:
+    """Show the SLA accounting: each job's GPU fraction, window by window, against its tier's floor.
+
+    A job's fraction in a window is the devices it held usefully over the devices of its allocation,
+    averaged over the window: time pending after a preemption, checkpointing or restoring counts 0,
+    and k ranks sharing one device count 1/k each. Windows follow each other from the job's first
+    eligibility to its end. A tier's floor (premium 0.95, standard 0.70; basic is best effort) is met
+    or VIOLATED per closed window; a running job's last window is open. The summary gives, per
+    tier, the share of closed job time in windows that met the floor.
+
+    With JOB_ID: that job's windows. With --actions: what the SLA controller (singularity-controller)
+    decided, and why. The timelines are in the registry (Redis), which root and the operators of
+    `[admin] operators` (with read access to its password file) can read.
+    """
+    from singularity_slurm.sla import report
+
+    config = _load(config_path)
+    try:
+        registry = Registry(connect(config.redis, timeout=3))
+    except SingularityError as exc:
+        _fail(SingularityError(f"the SLA accounting is kept in the registry: {one_line(exc)}"))
+    if show_actions:
+        from singularity_slurm.coordinator.controller import actions
+
+        logged = [a for a in actions(registry.redis) if job_id is None or a.get("job_id") == job_id]
+        if as_json:
+            click.echo(json.dumps(logged, indent=2))
+        for entry in [] if as_json else logged:
+            devices = f" to {entry['devices']} device(s)" if "devices" in entry else ""
+            click.echo(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(entry.get('time', 0)))}  "
+                       f"{entry.get('action')} job {entry.get('job_id')}{devices}: {entry.get('outcome')} "
+                       f"({entry.get('reason')})")
+        if not logged and not as_json:
+            click.echo("no decisions logged" + (f" for job {job_id}" if job_id is not None else ""))
+        return
+    window = float(window_s or config.sla.window_s)
+    found = []
+    for jid in [job_id] if job_id is not None else registry.job_ids():
+        record = registry.job(jid)
+        if record is None:
+            if job_id is not None:
+                _fail(SingularityError(f"no job {jid} in the registry (it never started under "
+                                       f"Singularity, or its record expired)"))
+            continue
+        accounted = report.job_sla(record, window=window)
+        if accounted is None:
+            if job_id is not None:
+                _fail(SingularityError(f"job {jid} has no SLA tier ({record.get('tier')!r})"))
+            continue
+        if tier is None or accounted.tier == tier:
+            found.append(accounted)
+    if as_json:
+        out = [report.to_json(j) for j in found]
+        click.echo(json.dumps(out[0] if job_id is not None else out, indent=2))
+    elif job_id is not None:
+        click.echo(report.format_windows(found[0]))
+    elif found:
+        click.echo(report.format_table(found))
+    else:
+        click.echo("no jobs" + (f" of tier {tier}" if tier else ""))
 
 
 @main.command()

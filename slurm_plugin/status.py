@@ -7,10 +7,12 @@ from typing import Any
 
 from singularity_slurm.config import Config
 from singularity_slurm.coordinator.placement import describe
+from singularity_slurm.sla import report
 from singularity_slurm.slurmcli import expand_hostlist, parse_gpu_count, parse_user
 
 
-def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config) -> dict[str, Any]:
+def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config,
+              now: float | None = None) -> dict[str, Any]:
     """One job as `status` shows it; either side may be missing (Slurm forgot it, or Redis did)."""
     out: dict[str, Any] = {}
     if slurm is not None:
@@ -57,6 +59,12 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config)
         out["restores"] = [e for e in record.get("events", []) if e.get("event") == "restore"]
         out["failures"] = [e for e in record.get("events", []) if e.get("event") == "checkpoint_failed"]
         out["sizes"] = [e for e in record.get("events", []) if e.get("event") == "size"]
+        accounted = report.job_sla(record, now=now, window=float(config.sla.window_s))
+        if accounted is not None:
+            out["sla"] = {"floor": accounted.floor, "window_s": config.sla.window_s,
+                          "fraction": report.to_json(accounted)["fraction"],
+                          "windows": len(accounted.windows), "violations": accounted.violations,
+                          "current": accounted.windows[-1].fraction if accounted.windows else None}
     else:
         out["registry"] = None
     out.setdefault("checkpoints", [])
@@ -127,6 +135,14 @@ def format_details(job: dict[str, Any]) -> str:
             refused = "".join(f"; checkpoint {x['seq']} refused: {x['reason']}" for x in r.get("refused", []))
             lines.append(f"  {_when(r.get('time'))}  checkpoint {r.get('seq')} on {r.get('node')} "
                          f"in {r.get('seconds')}s{refused}")
+    sla = job.get("sla")
+    if sla:
+        floor = "best effort" if not sla["floor"] else f"floor {sla['floor']:.2f}"
+        current = "-" if sla["current"] is None else f"{sla['current']:.3f}"
+        life = "-" if sla["fraction"] is None else f"{sla['fraction']:.3f}"
+        lines.append(f"SLA ({floor}, {sla['window_s']}s windows): GPU fraction {life} over its life, "
+                     f"{current} in its latest window, {sla['violations']} of {sla['windows']} window(s) "
+                     f"violated (singularityctl sla {job.get('job_id')})")
     sizes = job.get("sizes") or []
     if sizes:
         lines.append("sizes (a distributed job's starts and restores):")

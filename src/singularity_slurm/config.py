@@ -129,6 +129,13 @@ class ElasticConfig:
     replica_mmap_threshold: int = 131072  # glibc's mmap threshold in each rank (0: glibc's dynamic one)
 
 
+@dataclass(frozen=True)
+class SlaConfig:
+    """How the SLA tiers' guarantees are measured."""
+
+    window_s: int = 3600  # the accounting window: each tier's GPU fraction is met (or not) per window
+
+
 MAX_MMAP_THRESHOLD = 32 << 20
 """glibc's largest mmap threshold on 64-bit systems (HEAP_MAX_SIZE / 2); it ignores larger values."""
 
@@ -159,6 +166,7 @@ class Config:
     local_files: LocalFilesConfig = field(default_factory=LocalFilesConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    sla: SlaConfig = field(default_factory=SlaConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
     source: Path | None = field(default=None, compare=False)
 
@@ -231,6 +239,10 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                                        "at the same place in its page, and their checkpoints deduplicate "
                                        "page by page; 0 = glibc's dynamic threshold (each rank's "
                                        "allocation history places its tensors)"),
+    "sla.window_s": (SlaConfig.window_s, int,
+                     "seconds of each SLA accounting window (10..86400): a job's GPU fraction (devices "
+                     "held usefully / devices of its allocation) is measured, and its tier's floor met "
+                     "or missed, window by window from its first eligibility"),
     "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
                        "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
                        "cluster"),
@@ -240,7 +252,7 @@ KEYS: dict[str, tuple[Any, type, str]] = {
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
 _SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store", "elastic",
-             "testing"}
+             "sla", "testing"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 _USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 """A POSIX user name (as useradd accepts it); `root` needs no entry."""
@@ -391,6 +403,12 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"elastic.replica_mmap_threshold must be 0 or 4096..{MAX_MMAP_THRESHOLD} bytes "
                           f"(glibc's bound), got {mmap_threshold}")
 
+    sla_raw = data.get("sla", {})
+    _check_keys(sla_raw, {"window_s"}, "sla")
+    window_s = _take(sla_raw, "window_s", "sla", int, SlaConfig.window_s)
+    if not 10 <= window_s <= 86400:
+        raise ConfigError(f"sla.window_s must be 10..86400 seconds, got {window_s}")
+
     testing_raw = data.get("testing", {})
     _check_keys(testing_raw, {"faults"}, "testing")
     testing = TestingConfig(faults=_take(testing_raw, "faults", "testing", bool, False))
@@ -414,6 +432,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         store=StoreConfig(**ages),
         elastic=ElasticConfig(drain_poll_s=drain_poll_s, max_ranks_per_device=max_per_device,
                               replica_mmap_threshold=mmap_threshold),
+        sla=SlaConfig(window_s=window_s),
         testing=testing,
         source=source,
     )

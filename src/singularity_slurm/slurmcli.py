@@ -103,6 +103,55 @@ def parse_gpu_count(record: dict[str, str]) -> int:
     return total
 
 
+def allocated_devices(record: dict[str, str]) -> int:
+    """The devices a job holds (running) or asks for (pending): TRES's gres/gpu (`gres/gpu=4`,
+    `gres/gpu:a100=4`), else GPUs per node times nodes, else per job; 0 for a job without GPUs."""
+    for item in (record.get("TRES") or record.get("ReqTRES") or "").split(","):
+        key, _, value = item.partition("=")
+        if key.split(":")[0] == "gres/gpu" and value.isdigit():
+            return int(value)
+    per_node = parse_gpu_count(record)
+    nodes = (record.get("NumNodes") or "1").split("-")[0]
+    if per_node:
+        return per_node * (int(nodes) if nodes.isdigit() else 1)
+    return parse_gpu_count({"TresPerNode": record.get("TresPerJob", "")})
+
+
+JOB_TABLE = (("JobId", "%A"), ("JobState", "%T"), ("Partition", "%P"), ("BatchHost", "%B"),
+             ("NodeList", "%N"), ("NumNodes", "%D"), ("TresPerNode", "%b"))
+"""What `SlurmClient.job_table` reads of every job: fields no job's user can write into. (`scontrol
+show job -o` puts the job's name, command and paths, which its user chooses, on the same line as
+the fields Slurm sets: a name holding ` JobId=7` makes that line name another job.)"""
+
+
+def job_table_argv(states: str = "all") -> list[str]:
+    return ["squeue", "-h", "-t", states, "-o", "|".join(code for _, code in JOB_TABLE)]
+
+
+def parse_job_table(text: str) -> list[dict[str, str]]:
+    """`squeue` lines of `job_table_argv` -> records with scontrol's key names (`n/a` and `N/A` empty);
+    a line of another shape is left out."""
+    records = []
+    for line in text.splitlines():
+        values = line.strip().split("|")
+        if len(values) != len(JOB_TABLE) or not values[0].isdigit():
+            continue
+        records.append({key: ("" if value.strip().lower() == "n/a" else value.strip())
+                        for (key, _), value in zip(JOB_TABLE, values, strict=True)})
+    return records
+
+
+def parse_time(text: str | None) -> float | None:
+    """A Slurm timestamp (`2026-12-03T06:00:00`, in the controller's local time) as a Unix time;
+    None for `Unknown`, `None` or anything else."""
+    import datetime
+
+    try:
+        return datetime.datetime.strptime((text or "").strip(), "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None
+
+
 def parse_user(field: str) -> tuple[str, int | None]:
     """`UserId=alice(1001)` value -> ('alice', 1001)."""
     match = re.fullmatch(r"([^()]*)\((\d+)\)", field or "")
@@ -190,6 +239,11 @@ class SlurmClient:
         if proc.stdout.strip() == "No jobs in the system":
             return []
         return parse_records(proc.stdout)
+
+    def job_table(self, states: str = "all") -> list[dict[str, str]]:
+        """Every job Slurm knows in `states` (squeue's list), with the fields of `JOB_TABLE` only: what
+        root reads when it judges many jobs at once."""
+        return parse_job_table(self.run(job_table_argv(states)).stdout)
 
     def job_detail(self, job_id: int) -> str:
         """`scontrol show job -d -o`: the record with its per-node resources (GRES indexes)."""

@@ -73,6 +73,9 @@ def test_prolog_starts_the_agent_and_records_the_node_and_epilog_cleans_up(
     assert ended["state"] == "ended"
     assert ended["nodes"] == {}
     assert [e["event"] for e in ended["events"]] == ["node_start", "node_end"]
+    # what the SLA accounting measures the job against, from Slurm's record at its first start
+    assert ended["requested_devices"] == (len(proxies) or 1)
+    assert ended["eligible_at"] <= ended["first_started_at"] + 1  # Slurm's times are whole seconds
 
 
 def test_multi_node_job_runs_an_agent_on_every_node(jobs, registry, config):

@@ -136,7 +136,7 @@ def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
 def test_unknown_top_level_section_lists_valid_sections() -> None:
     assert config_error({"tier": {}}) == (
         "unknown key(s) in [top level]: tier; valid keys: admin, elastic, local_files, paths, preemption, "
-        "proxy, redis, store, testing, tiers"
+        "proxy, redis, sla, store, testing, tiers"
     )
 
 

@@ -10,6 +10,8 @@ from singularity_slurm.sla.accounting import (
     Window,
     attainment,
     check,
+    clip,
+    segments_from_events,
     slack,
     windows,
 )
@@ -70,3 +72,60 @@ def test_attainment_weighs_each_window_by_how_long_it_lasted() -> None:
     wins = [Window(0, 3600, 1.0, True), Window(3600, 3960, 0.2, False), Window(3960, 4000, 0.5, None)]
     assert attainment(wins) == pytest.approx(3600 / 3960)
     assert attainment([Window(0, 10, 1.0, None)]) is None
+
+
+# --- a job's timeline from its registry events ----------------------------------------------------
+
+
+def ev(kind: str, at: float, node: str = "n1", **more) -> dict:
+    return {"event": kind, "node": node, "time": at, **more}
+
+
+def test_a_preempted_job_runs_until_its_checkpoint_began_and_again_once_restored() -> None:
+    events = [ev("node_start", 0, gpus=4), ev("running", 2, devices=4),
+              ev("checkpoint", 100, reason="preempt", seconds=6.0, stop=True), ev("node_end", 101),
+              ev("node_start", 160, gpus=4), ev("restore", 165), ev("running", 165, devices=4),
+              ev("node_end", 300)]
+    assert segments_from_events(events, 4) == [Segment(2, 94, 4), Segment(165, 300, 4)]
+
+
+def test_a_periodic_checkpoint_stops_the_job_for_its_dump_only() -> None:
+    events = [ev("running", 0, devices=2), ev("checkpoint", 50, reason="periodic", seconds=10, stop=False,
+                                            dump_seconds=3), ev("node_end", 100)]
+    assert segments_from_events(events, 2) == [Segment(0, 40, 2), Segment(43, 100, 2)]
+
+
+def test_the_nodes_of_a_job_add_up_and_time_sliced_ranks_count_their_devices_only() -> None:
+    # 4 ranks: on 2 nodes x 2 devices, then resized to 1 node x 1 device (4 ranks on it)
+    events = [ev("running", 0, "n1", devices=2), ev("running", 1, "n2", devices=2),
+              ev("checkpoint", 60, "n1", reason="resize", seconds=5),
+              ev("checkpoint", 60, "n2", reason="resize", seconds=5),
+              ev("node_end", 61, "n1"), ev("node_end", 61, "n2"), ev("running", 90, "n1", devices=1),
+              ev("node_end", 150, "n1")]
+    assert segments_from_events(events, 4) == [Segment(0, 1, 2), Segment(1, 55, 4), Segment(90, 150, 1)]
+    [window] = windows(segments_from_events(events, 4), 4, 0, 150, 0.70, window=150)
+    assert window.fraction == pytest.approx((2 * 1 + 4 * 54 + 1 * 60) / 4 / 150)
+
+
+def test_a_job_still_running_counts_until_now_and_junk_events_are_ignored() -> None:
+    events = [ev("running", 10, devices=1), {"event": "running", "time": "soon"}, {"event": "x"},
+              ev("running", 20, "n2", devices=-3)]
+    segments = clip(segments_from_events(events, 2), 30)
+    assert segments == [Segment(10, 20, 1), Segment(20, 30, 2)]
+
+
+def test_a_job_that_never_ran_singularityctl_run_holds_its_allocation_from_start_to_end() -> None:
+    events = [ev("node_start", 0, gpus=2), ev("node_end", 50), ev("node_start", 70, "n2", gpus=2),
+              ev("node_end", 100, "n2")]
+    assert segments_from_events(events, 2) == [Segment(0, 50, 2), Segment(70, 100, 2)]
+
+
+def test_criu_s_own_frozen_time_places_the_stop_where_the_tree_was_frozen() -> None:
+    # began at 40, dump ended 3 s later, the tree frozen its last 1 s; a preemption's dump: frozen for good
+    periodic = ev("checkpoint", 50, reason="periodic", seconds=10, stop=False, dump_seconds=3,
+                  frozen_seconds=1)
+    assert segments_from_events([ev("running", 0, devices=1), periodic, ev("node_end", 100)], 1) == [
+        Segment(0, 42, 1), Segment(43, 100, 1)]
+    preempt = ev("checkpoint", 50, reason="preempt", seconds=10, stop=True, dump_seconds=3, frozen_seconds=1)
+    assert segments_from_events([ev("running", 0, devices=1), preempt, ev("node_end", 51)], 1) == [
+        Segment(0, 42, 1)]

@@ -106,6 +106,9 @@ def test_registry_record_alone_for_an_ended_job() -> None:
             "ended_at": 300.0, "node_gpus": {"n2": ["0", "1"], "n1": ["2"]},
             "events": [{"event": "node_start", "node": "n1", "time": 200.0, "restart_count": 1}],
         },
+        # a job without `singularityctl run` holds its allocation from the start on n1 to its end
+        "sla": {"floor": 0.95, "window_s": 3600, "fraction": 0.5, "windows": 1, "violations": 1,
+                "current": 0.5},
     }
 
 

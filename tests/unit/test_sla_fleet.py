@@ -1,0 +1,57 @@
+"""The SLA controller's view of the cluster, from Slurm and the registry (sla.fleet)."""
+
+from __future__ import annotations
+
+import pytest
+
+from singularity_slurm.sla import fleet
+
+SINFO = """n1        gpu:4               gpu:2(IDX:0-1)                mixed
+n1        gpu:4               gpu:2(IDX:0-1)                mixed
+n2        gpu:4               gpu:0                         idle
+n3        gpu:4               gpu:0                         drained
+n4        gpu:a100:8          gpu:a100:8(IDX:0-7)           allocated
+n5        gpu:4               gpu:0                         idle*
+"""
+
+
+def test_idle_devices_are_the_free_ones_of_usable_nodes_each_counted_once() -> None:
+    assert fleet.idle_devices(SINFO) == 2 + 4  # n3 drained, n5 not responding
+
+
+@pytest.mark.parametrize("devices, per_node, size", [(8, 4, (2, 4)), (4, 4, (1, 4)), (6, 4, (2, 3)),
+                                                     (1, 8, (1, 1)), (5, 2, (3, 1))])
+def test_a_device_count_becomes_nodes_and_devices_per_node(devices, per_node, size) -> None:
+    assert fleet.size_for(devices, per_node) == size
+
+
+def test_a_size_of_nothing_is_refused() -> None:
+    with pytest.raises(ValueError):
+        fleet.size_for(0, 4)
+
+
+def tiers(partition: str) -> str | None:
+    return {"premium": "premium", "standard": "standard", "basic": "basic"}.get(partition)
+
+
+def test_the_snapshot_joins_slurms_jobs_with_their_accounting_and_elasticity() -> None:
+    slurm_jobs = [
+        {"JobId": "7", "JobState": "RUNNING", "Partition": "standard", "TRES": "cpu=2,gres/gpu=4"},
+        {"JobId": "8", "JobState": "PENDING", "Partition": "premium", "TresPerNode": "gres:gpu:2",
+         "NumNodes": "1"},
+        {"JobId": "9", "JobState": "RUNNING", "Partition": "debug", "TRES": "gres/gpu=1"},  # no tier
+        {"JobId": "10", "JobState": "COMPLETED", "Partition": "basic"},
+    ]
+    record = {"job_id": 7, "tier": "standard", "requested_devices": 8, "eligible_at": 0.0,
+              "first_started_at": 0.0, "ended_at": None,
+              "events": [{"event": "running", "node": "n1", "time": 0.0, "devices": 4},
+                         {"event": "size", "time": 0.0, "size": {"ranks": 8, "devices": 4, "nodes": 1}}]}
+    snap = fleet.snapshot(slurm_jobs, {7: record}, idle=3, protected=[8], now=1800.0, window=3600.0,
+                          max_ranks_per_device=4, tier_of_partition=tiers)
+    assert snap.free == 3
+    running, pending = snap.jobs
+    assert (running.job_id, running.tier, running.requested, running.min_devices, running.held) == \
+        ("7", "standard", 8, 2, 4)
+    # half an hour at 4 of 8: 900 s had, 1800 s left, 2520 s owed
+    assert running.slack == pytest.approx(900 + 1800 - 2520) and running.window_left == pytest.approx(1800)
+    assert (pending.job_id, pending.held, pending.requested, pending.protected) == ("8", 0, 2, True)

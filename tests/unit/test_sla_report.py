@@ -1,0 +1,126 @@
+"""`singularityctl sla`: a job's accounting from its registry record (sla.report), and the Slurm
+facts the Prolog records for it (slurmcli)."""
+
+from __future__ import annotations
+
+import pytest
+
+from singularity_slurm.sla import report
+from singularity_slurm.slurmcli import allocated_devices, parse_time
+
+
+def record(**more) -> dict:
+    events = [
+        {"event": "node_start", "node": "n1", "time": 1000.0, "restart_count": 0, "gpus": 4},
+        {"event": "running", "node": "n1", "time": 1002.0, "devices": 4, "how": "start"},
+        {"event": "checkpoint", "node": "n1", "time": 1060.0, "reason": "preempt", "seconds": 4.0,
+         "stop": True},
+        {"event": "node_end", "node": "n1", "time": 1061.0},
+        {"event": "node_start", "node": "n2", "time": 1100.0, "restart_count": 1, "gpus": 4},
+        {"event": "running", "node": "n2", "time": 1104.0, "devices": 4, "how": "restore"},
+        {"event": "node_end", "node": "n2", "time": 1200.0},
+    ]
+    return {"job_id": 7, "user": "jobuser", "tier": "standard", "requested_devices": 4,
+            "eligible_at": 990.0, "first_started_at": 1000.0, "ended_at": 1200.0, "events": events, **more}
+
+
+def test_an_ended_jobs_windows_come_from_its_eligibility_and_its_timeline() -> None:
+    sla = report.job_sla(record(), window=120)
+    assert [(w.start, w.end) for w in sla.windows] == [(990, 1110), (1110, 1200)]
+    first, second = sla.windows
+    assert first.fraction == pytest.approx((1056 - 1002 + 1110 - 1104) / 120)  # 0.5
+    assert first.met is False and second.met is True and second.fraction == 1.0
+    assert sla.violations == 1 and sla.attainment == pytest.approx(90 / 210)
+    assert sla.fraction == pytest.approx((54 + 96) / 210)
+    assert report.to_json(sla)["windows"][0]["met"] is False
+
+
+def test_a_running_jobs_last_window_is_open_and_counts_until_now() -> None:
+    rec = record(ended_at=None)
+    rec["events"] = rec["events"][:-1]
+    sla = report.job_sla(rec, now=1150.0, window=120)
+    assert sla.windows[-1].met is None and sla.windows[-1].end == 1150.0
+    assert not sla.ended
+
+
+def test_without_slurms_request_the_first_starts_devices_and_time_are_taken() -> None:
+    sla = report.job_sla(record(requested_devices=None, eligible_at=None), window=1000)
+    assert sla.requested == 4 and sla.eligible_at == 1000.0
+
+
+def test_a_job_without_a_tier_has_no_accounting() -> None:
+    assert report.job_sla(record(tier=None)) is None
+
+
+def test_the_table_and_the_windows_mark_violations_and_each_tiers_attainment() -> None:
+    sla = report.job_sla(record(), window=120)
+    table = report.format_table([sla, report.job_sla(record(job_id=8, tier="basic"), window=120)])
+    assert "standard: 0.429 of closed job time met its floor 0.70" in table
+    assert "basic: 1.000 of closed job time met best effort" in table
+    lines = report.format_windows(sla).splitlines()
+    assert "VIOLATED" in lines[2] and lines[3].endswith("yes")
+
+
+@pytest.mark.parametrize("record_, devices", [
+    ({"TRES": "cpu=2,mem=1G,node=2,billing=2,gres/gpu=4"}, 4),
+    ({"TRES": "cpu=2,gres/gpu:a100=8"}, 8),
+    ({"TresPerNode": "gres:gpu:2", "NumNodes": "3"}, 6),
+    ({"TresPerJob": "gres:gpu:5"}, 5),
+    ({"TRES": "cpu=1,node=1"}, 0),
+])
+def test_a_jobs_devices_are_read_from_its_slurm_record(record_: dict, devices: int) -> None:
+    assert allocated_devices(record_) == devices
+
+
+def test_slurm_times_are_read_in_local_time_and_unknown_ones_are_none() -> None:
+    import datetime
+
+    at = datetime.datetime(2026, 12, 3, 6, 0, 0).timestamp()
+    assert parse_time("2026-12-03T06:00:00") == at
+    assert parse_time("Unknown") is None and parse_time(None) is None
+
+
+def test_the_job_table_takes_only_fields_no_user_writes_and_a_name_cannot_forge_another_job() -> None:
+    from singularity_slurm.slurmcli import job_table_argv, parse_job_table, parse_record
+
+    # scontrol's one-line record: a job name holding " JobId=7" names job 7 (the reason for the table)
+    assert parse_record("JobId=12 JobName=x JobId=7 JobState=RUNNING")["JobId"] == "7"
+    argv = job_table_argv("pending,running")
+    assert argv[:4] == ["squeue", "-h", "-t", "pending,running"] and "%j" not in argv[-1]
+    text = "12|RUNNING|basic|n1|n[1-2]|2|gres:gpu:4\n13|PENDING|premium|n/a||1|N/A\n14_2|RUNNING|basic\n"
+    assert parse_job_table(text) == [
+        {"JobId": "12", "JobState": "RUNNING", "Partition": "basic", "BatchHost": "n1", "NodeList": "n[1-2]",
+         "NumNodes": "2", "TresPerNode": "gres:gpu:4"},
+        {"JobId": "13", "JobState": "PENDING", "Partition": "premium", "BatchHost": "", "NodeList": "",
+         "NumNodes": "1", "TresPerNode": ""},
+    ]
+    assert allocated_devices(parse_job_table(text)[0]) == 8
+
+
+def _context(gpus: list[str]):
+    from singularity_slurm.jobenv import JobContext
+
+    return JobContext(job_id=5, user="jobuser", uid=1001, node="n1", partition="basic", tier="basic",
+                      gpus=gpus, restart_count=0)
+
+
+def _slurm(line: str):
+    import subprocess
+
+    from singularity_slurm.slurmcli import SlurmClient
+
+    def runner(argv, **_):
+        return subprocess.CompletedProcess(argv, 0, line + "\n", "")
+    return SlurmClient(runner=runner, as_root=False)
+
+
+def test_the_prolog_takes_the_request_from_tres_or_its_own_nodes_gpus_never_from_the_jobs_name() -> None:
+    from singularity_slurm.prolog.main import sla_facts
+
+    forged = ("JobId=5 JobName=x TresPerNode=gres:gpu:64 JobState=RUNNING EligibleTime=2026-12-03T06:00:00 "
+              "NumNodes=2 TRES=cpu=2,mem=1G,node=2,billing=2")
+    requested, eligible = sla_facts(_context(["0", "1"]), _slurm(forged))
+    assert requested == 4 and eligible == parse_time("2026-12-03T06:00:00")  # 2 GPUs here x 2 nodes
+    counted = forged.replace("billing=2", "billing=2,gres/gpu=6")
+    assert sla_facts(_context(["0", "1"]), _slurm(counted))[0] == 6
+    assert sla_facts(_context([]), _slurm(forged))[0] == 2  # no GPUs: one per node
