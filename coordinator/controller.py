@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ from .registry import Registry, connect
 
 LOG = logging.getLogger("singularity.controller")
 ACTIONS_KEPT = 1000
+SEND_PICKUP_S = 20.0  # a resize the job's agent has not taken by then is withdrawn
+SEND_TIMEOUT_S = 60.0  # how long one resize may hold up a look (its checkpoint takes longer for big jobs)
 SINFO = ["sinfo", "-N", "-h", "-O", "NodeList:64,Gres:128,GresUsed:128,StateLong:40"]
 
 
@@ -126,11 +129,23 @@ class Controller:
                                   self.config.tier_of_partition)
         return Gathered(snapshot, {int(j["JobId"]): j for j in slurm_jobs}, records, gpus_per_node(sinfo))
 
-    def tick(self) -> list[dict[str, Any]]:
-        """One look at the cluster: the decisions, each as logged (with its outcome)."""
+    def tick(self, leading: Callable[[], bool] = lambda: True) -> list[dict[str, Any]]:
+        """One look at the cluster: the decisions, each as logged (with its outcome). `leading` is
+        asked before each action: one that lost the lease meanwhile does no more."""
         gathered = self.gather()
+        # jobs Slurm no longer runs or holds leave the protected set (a job id may come again)
+        known = {str(j) for j in gathered.slurm}
+        stale = [j for j in self.client.smembers(keys.sla_protected()) if str(j) not in known]
+        if stale:
+            self.client.srem(keys.sla_protected(), *stale)
         actions = policy.decide(gathered.snapshot, self.params)
-        done = [self.apply(action, gathered) for action in actions]
+        done = []
+        for action in actions:
+            if not leading():
+                LOG.warning("lost the lease: %d decision(s) of this look not carried out",
+                            len(actions) - len(done))
+                break
+            done.append(self.apply(action, gathered))
         if self.metrics is not None:
             self.metrics.observe(gathered, done, self.client, self.window)
         return done
@@ -175,8 +190,11 @@ class Controller:
         return f"resized: checkpoint {reply.get('seq')} taken, requeued for {nodes} node(s) x {per} device(s)"
 
     def _send(self, job_id: int, args: dict[str, Any], host: str) -> dict:
+        """A resize request; the wait for its answer stays well inside the lease (the request may
+        still be carried out after it: the next look sees the job's new size)."""
         request = new_request(job_id, "resize", args)
-        return CommandClient(self.client).send(request, where=host, say=lambda text: LOG.info("%s", text))
+        return CommandClient(self.client).send(request, where=host, say=lambda text: LOG.info("%s", text),
+                                               pickup_timeout=SEND_PICKUP_S, timeout=SEND_TIMEOUT_S)
 
 
 def actions(client: redis.Redis, limit: int = ACTIONS_KEPT) -> list[dict]:
@@ -324,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     except SingularityError as exc:
         print(f"singularity-controller: {exc}", file=sys.stderr)
         return 2
-    identity = f"{socket.gethostname()}:{os.getpid()}"
-    lease = Lease(client, identity, args.lease or 3 * args.period)
+    identity = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+    lease_s = args.lease or max(3 * args.period, 3 * SEND_TIMEOUT_S)
+    lease = Lease(client, identity, lease_s)
     metrics = None
     if args.metrics_port is not None:
         metrics = Metrics()
@@ -342,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics.leader.set(1 if leading else 0)
             if leading:
                 try:
-                    done = controller.tick()
-                except (SingularityError, redis.RedisError, OSError) as exc:
+                    done = controller.tick(leading=lease.hold)
+                except Exception as exc:  # noqa: BLE001 - one bad look (Slurm, Redis, a record) is logged, not fatal
                     LOG.warning("this look at the cluster failed: %s", exc)
                     done = []
                 if args.once:

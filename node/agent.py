@@ -917,7 +917,7 @@ def admin_commands(state: AgentState, config: Config, slurm: SlurmClient) -> Com
     return CommandServer(state, job_id=state.job_id, job_uid=state.job_uid, node=state.node,
                          operators=config.admin.operators,
                          connect=lambda: connect(config.redis, timeout=BLOCK_S + 10),
-                         locate=lambda: slurm.job(state.job_id))
+                         locate=lambda: slurm.job_row(state.job_id))  # BatchHost, NodeList: no user text
 
 
 if __name__ == "__main__":

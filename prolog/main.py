@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from singularity_slurm.jobenv import (
 )
 from singularity_slurm.node import services
 from singularity_slurm.nodelog import node_logger
-from singularity_slurm.slurmcli import SlurmClient, allocated_devices, parse_time
+from singularity_slurm.slurmcli import SlurmClient, parse_time
 
 AGENT = services.AGENT
 PROXY = "proxy-"
@@ -119,7 +120,8 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
         return 1
     log.info("tier=%s user=%s gpus=%s restart=%d services=%s", job.tier, job.user,
              ",".join(job.gpus) or "-", job.restart_count, pids)
-    requested, eligible = sla_facts(job, SlurmClient(timeout=5)) if job.restart_count == 0 else (None, None)
+    requested, eligible = (sla_facts(job, SlurmClient(timeout=5), started_at, log) if job.restart_count == 0
+                           else (None, None))
     try:
         Registry(connect(config.redis)).record_node_start(NodeStart(
             job_id=job.job_id, node=job.node, user=job.user, uid=job.uid, tier=job.tier,
@@ -131,25 +133,35 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
     return 0
 
 
-def sla_facts(job: JobContext, slurm: SlurmClient) -> tuple[int | None, float | None]:
-    """What the SLA accounting measures the job against, from Slurm's record at its first start:
-    the devices of its allocation (one per node for a job without GPUs) and when it first became
-    eligible to run. (None, None) where Slurm does not answer: the accounting then takes the
-    first start's devices and time."""
+SLA_LOOKBACK_S = 30 * 86400.0
+"""The oldest first eligibility taken for a starting job: its accounting starts no earlier."""
+
+
+def sla_facts(job: JobContext, slurm: SlurmClient, started_at: float | None = None,
+              log=None) -> tuple[int | None, float | None]:
+    """What the SLA accounting measures the job against, at its first start: its devices (this
+    node's GPUs, as slurmd gives them, on each of its nodes; one per node without GPUs) and when it
+    first became eligible to run, from squeue's fixed columns (never from scontrol's one-line
+    record, where the job's own name and comment can imitate any field). The eligible time is kept
+    between the submit time and now (and at most 30 days back). (None, None) where Slurm does not
+    answer: the accounting then takes the first start's devices and time. Never raises: the Prolog
+    must not fail for it."""
+    now = time.time() if started_at is None else started_at
     try:
-        record = slurm.job(job.job_id)
-    except (SingularityError, OSError):
+        facts = slurm.job_facts(job.job_id)
+        if facts is None:
+            return None, None
+        nodes = int(facts["NumNodes"]) if re.fullmatch(r"[0-9]{1,6}", facts["NumNodes"]) else 1
+        requested = max(len(job.gpus), 1) * max(nodes, 1)
+        eligible = parse_time(facts.get("EligibleTime"))
+        submitted = parse_time(facts.get("SubmitTime"))
+        if eligible is not None:
+            eligible = min(max(eligible, submitted or eligible, now - SLA_LOOKBACK_S), now)
+        return requested, eligible
+    except Exception as exc:  # anything Slurm's output may hold: the job runs all the same
+        if log is not None:
+            log.warning("SLA accounting facts not read from Slurm: %s", exc)
         return None, None
-    if record is None:
-        return None, None
-    # Only fields scontrol always prints after the job's name, which its user chooses (a name may
-    # hold ` TresPerNode=...`; the real field, printed later, wins): TRES, NumNodes, EligibleTime.
-    # TRES counts GPUs where accounting tracks gres/gpu; else this node's GPUs (slurmd's word) on
-    # each of the job's nodes.
-    nodes = (record.get("NumNodes") or "1").split("-")[0]
-    count = int(nodes) if nodes.isdigit() else 1
-    requested = allocated_devices({"TRES": record.get("TRES", "")}) or max(len(job.gpus), 1) * count
-    return requested, parse_time(record.get("EligibleTime"))
 
 
 def main() -> int:

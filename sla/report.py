@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from .accounting import FLOORS, Window, attainment, clip, segments_from_events, windows
+
+MAX_WINDOWS = 10_000
+"""Windows accounted per job at most (its latest ones): a bound on the work one record costs."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ def job_sla(record: dict, now: float | None = None, window: float = 3600.0) -> J
         eligible = _first_time(events)
     ended = record.get("ended_at") is not None
     until = record["ended_at"] if ended else (time.time() if now is None else now)
+    if eligible is not None and (until - eligible) / window > MAX_WINDOWS:
+        # a job older than MAX_WINDOWS windows: its latest ones, on the same grid
+        eligible += (math.ceil((until - eligible) / window) - MAX_WINDOWS) * window
     if eligible is None or until <= eligible:
         spans: list[Window] = []
     else:

@@ -172,16 +172,20 @@ def _ranges(text: str) -> list[tuple[str, str]]:
 
 
 def gpus_of_node(detail: str, node: str) -> list[str]:
-    """The GPU indexes a job holds on `node`, from `scontrol show job -d -o`'s per-node lines
-    (`Nodes=n[1-2] CPU_IDs=0-3 Mem=0 GRES=gpu:4(IDX:0-3)`); [] when it holds none there."""
-    for nodes, gres in re.findall(r"\bNodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)", detail):
-        if node not in expand_hostlist(nodes):
-            continue
-        gpus: list[str] = []
-        for ranges in re.findall(r"gpu[^,(]*\(IDX:([0-9,-]+)\)", gres):
-            gpus.extend(str(n) for lo, hi in _ranges(ranges) for n in range(int(lo), int(hi) + 1))
-        return gpus
-    return []
+    """The GPU indexes a job holds on `node`, from `scontrol show job -d -o`'s per-node entries
+    (`Nodes=n[1-2] CPU_IDs=0-3 Mem=0 GRES=gpu:4(IDX:0-3)`); [] when it holds none there.
+
+    The same line holds text the job's user chose (its name, comment, paths), which may imitate an
+    entry; Slurm prints exactly one for each node, so a record with two for `node` is refused."""
+    found = [gres for nodes, gres in re.findall(r"\bNodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)", detail)
+             if node in expand_hostlist(nodes)]
+    if len(found) > 1:
+        raise InvalidJobIdentity(f"Slurm's record of the job names node {node}'s devices {len(found)} times "
+                                 "(text of the job's own imitates Slurm's): refusing to guess")
+    gpus: list[str] = []
+    for ranges in re.findall(r"gpu[^,(]*\(IDX:([0-9,-]+)\)", found[0] if found else ""):
+        gpus.extend(str(n) for lo, hi in _ranges(ranges) for n in range(int(lo), int(hi) + 1))
+    return gpus
 
 
 def job_run_dir(state_dir: Path, node: str, job_id: int) -> Path:

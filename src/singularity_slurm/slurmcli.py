@@ -20,6 +20,8 @@ from singularity_slurm.errors import SlurmCommandFailed, SlurmError
 from singularity_slurm.jobenv import expand_hostlist  # noqa: F401 (part of this interface)
 
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*$")
+_DIGITS = re.compile(r"[0-9]{1,9}")
+"""A count Slurm prints (`str.isdigit` also takes `²`, which `int` refuses)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -108,12 +110,12 @@ def allocated_devices(record: dict[str, str]) -> int:
     `gres/gpu:a100=4`), else GPUs per node times nodes, else per job; 0 for a job without GPUs."""
     for item in (record.get("TRES") or record.get("ReqTRES") or "").split(","):
         key, _, value = item.partition("=")
-        if key.split(":")[0] == "gres/gpu" and value.isdigit():
+        if key.split(":")[0] == "gres/gpu" and _DIGITS.fullmatch(value):
             return int(value)
     per_node = parse_gpu_count(record)
     nodes = (record.get("NumNodes") or "1").split("-")[0]
     if per_node:
-        return per_node * (int(nodes) if nodes.isdigit() else 1)
+        return per_node * (int(nodes) if _DIGITS.fullmatch(nodes) else 1)
     return parse_gpu_count({"TresPerNode": record.get("TresPerJob", "")})
 
 
@@ -128,16 +130,41 @@ def job_table_argv(states: str = "all") -> list[str]:
     return ["squeue", "-h", "-t", states, "-o", "|".join(code for _, code in JOB_TABLE)]
 
 
+_TABLE_FIELDS = {
+    "JobId": re.compile(r"[0-9]{1,19}"),
+    "JobState": re.compile(r"[A-Z_]{1,40}"),
+    "Partition": re.compile(r"[A-Za-z0-9_.,-]{0,256}"),
+    "BatchHost": re.compile(r"[A-Za-z0-9._-]{0,64}"),
+    "NodeList": re.compile(r"[A-Za-z0-9._,\[\]-]{0,4096}"),
+    "NumNodes": re.compile(r"[0-9]{1,9}"),
+    "TresPerNode": re.compile(r"[A-Za-z0-9_:/=,.()-]{0,256}"),
+}
+"""What each field of the job table may hold. `TresPerNode` is the one a user shapes (a GRES type
+is any word): a line that does not fit is a line nobody can trust."""
+
+
 def parse_job_table(text: str) -> list[dict[str, str]]:
-    """`squeue` lines of `job_table_argv` -> records with scontrol's key names (`n/a` and `N/A` empty);
-    a line of another shape is left out."""
-    records = []
-    for line in text.splitlines():
-        values = line.strip().split("|")
-        if len(values) != len(JOB_TABLE) or not values[0].isdigit():
+    """`squeue` lines of `job_table_argv` -> records with scontrol's key names (`n/a` and `N/A` empty).
+    A line of another shape, or a job id twice, fails the whole table (SlurmError): whoever judges
+    many jobs at once must not judge from a list someone could have written a line of."""
+    records, seen = [], set()
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
             continue
-        records.append({key: ("" if value.strip().lower() == "n/a" else value.strip())
-                        for (key, _), value in zip(JOB_TABLE, values, strict=True)})
+        values = [v.strip() for v in line.strip().split("|")]
+        if len(values) != len(JOB_TABLE):
+            raise SlurmError(f"squeue line {number} has {len(values)} fields, not {len(JOB_TABLE)}: "
+                             f"{line!r}")
+        record = {key: ("" if value.lower() == "n/a" else value) for (key, _), value in zip(JOB_TABLE, values,
+                                                                                            strict=True)}
+        bad = [key for key, value in record.items() if not _TABLE_FIELDS[key].fullmatch(value)]
+        if bad or not record["JobId"]:
+            what = ", ".join(bad) or "JobId"
+            raise SlurmError(f"squeue line {number} does not look like Slurm's ({what}): {line!r}")
+        if record["JobId"] in seen:
+            raise SlurmError(f"squeue lists job {record['JobId']} twice (line {number})")
+        seen.add(record["JobId"])
+        records.append(record)
     return records
 
 
@@ -210,8 +237,9 @@ class SlurmClient:
             full = [rootexec.system_program(full[0]), *full[1:]]
             extra = {"env": rootexec.clean_env()}
         try:
+            # errors="replace": a job's name or paths may hold bytes that are not UTF-8
             proc = self._run(full, capture_output=True, text=True, timeout=self.timeout,
-                             input=input, **extra)
+                             input=input, errors="replace", **extra)
         except FileNotFoundError as exc:
             raise SlurmError(
                 f"{argv[0]} not found: install Slurm's client tools (Debian: slurm-client)"
@@ -244,6 +272,33 @@ class SlurmClient:
         """Every job Slurm knows in `states` (squeue's list), with the fields of `JOB_TABLE` only: what
         root reads when it judges many jobs at once."""
         return parse_job_table(self.run(job_table_argv(states)).stdout)
+
+    def job_row(self, job_id: int) -> dict[str, str] | None:
+        """One job's `JOB_TABLE` fields (squeue's, which no user writes); None when Slurm does not
+        list it (or lists something that is not Slurm's shape)."""
+        argv = job_table_argv("all")
+        argv[2:2] = ["-j", str(int(job_id))]
+        proc = self.run(argv, check=False)
+        try:
+            rows = parse_job_table(proc.stdout)
+        except SlurmError:
+            return None
+        return next((r for r in rows if r["JobId"] == str(int(job_id))), None)
+
+    def job_facts(self, job_id: int) -> dict[str, str] | None:
+        """One job's node count, eligible and submit time, from fixed-width squeue columns that no
+        user writes (scontrol's one-line record holds the job's name, comment and paths, which its
+        user chooses, and a ` Key=value` there reads as Slurm's field); None for a job Slurm does not
+        list."""
+        widths = (("JobId", "JobID", 20), ("NumNodes", "NumNodes", 10), ("EligibleTime", "EligibleTime", 25),
+                  ("SubmitTime", "SubmitTime", 25))
+        spec = ",".join(f"{name}:{width}" for _, name, width in widths)
+        out = self.run(["squeue", "-h", "-t", "all", "-j", str(int(job_id)), "-O", spec], check=False)
+        for line in out.stdout.splitlines():
+            fields = line.split()
+            if len(fields) == len(widths) and fields[0] == str(int(job_id)):
+                return {key: value for (key, _, _), value in zip(widths, fields, strict=True)}
+        return None
 
     def job_detail(self, job_id: int) -> str:
         """`scontrol show job -d -o`: the record with its per-node resources (GRES indexes)."""

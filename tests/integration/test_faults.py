@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CTL, NODE_LOG_DIR, run_as
+from conftest import CTL, run_as
 from test_checkpoint_restore import (
     EXAMPLE,
     PYTHON,
@@ -135,20 +135,17 @@ def test_a_job_survives_its_node_agent_killed_at_every_step(jobs, reference_log,
         _wait_for_text(jobs, job_id, log, step)
         checkpoint = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
         assert checkpoint.returncode == 0, checkpoint.stderr
-    contained = assert_contained(job_id)
+    assert_contained(job_id)
 
-    # 1. kill -9 of the agent while the job simply runs: requeued, old processes gone, restored (a
-    # contained tree by the Epilog's sweep of the extern step; an uncontained one by Slurm's end of
-    # the step the agent was started in, or by the Epilog from the agent's note, whichever is first)
+    # 1. kill -9 of the agent while the job simply runs: requeued, old processes gone, restored.
+    # Whoever is first ends the old tree: a new agent a later step of the job starts (from the dead
+    # one's notes), the Epilog (its sweep of the extern step, or the notes), or for an uncontained
+    # tree Slurm's end of the step the agent was started in (each has its unit test).
     node = jobs.record(job_id)["BatchHost"]
     before = training_pids()
     os.kill(agent_pid(config, node, job_id), signal.SIGKILL)
     _wait_for_text(jobs, job_id, log, "restored checkpoint", count=1, timeout=180)
     assert not set(before) & set(training_pids()), "processes of the killed run survived"
-    if contained:
-        epilog = (NODE_LOG_DIR / f"node-{node}.log").read_text()
-        assert f"job={job_id} node={node} WARNING ended the job's trees" in epilog or \
-            f"job={job_id} node={node} WARNING ended processes" in epilog, "the Epilog did not end the tree"
     assert_contained(job_id)
 
     # 2.-3. the agent dies during a dump, then during the store write of a manual checkpoint; the

@@ -781,7 +781,8 @@ def test_the_agent_takes_admin_requests_with_the_configured_operators_and_slurms
     from singularity_slurm.node.agent import admin_commands
 
     asked = []
-    slurm = SimpleNamespace(job=lambda job_id: asked.append(job_id) or {"BatchHost": "n9"})
+    # squeue's fixed fields, not scontrol's one-line record (where the job's comment can imitate them)
+    slurm = SimpleNamespace(job_row=lambda job_id: asked.append(job_id) or {"BatchHost": "n9"})
     state = AgentState(job_id=7, job_uid=JOB_UID, node="n9")
 
     commands = admin_commands(state, parse({"admin": {"operators": ["ops"]}}), slurm)

@@ -33,6 +33,12 @@ def test_root_may_act_on_any_job():
     assert check_target(dict(RUNNING), 7, 0, CONFIG, "checkpoint") == RUNNING
 
 
+def test_a_record_whose_job_name_reads_as_another_jobs_id_is_refused_even_for_root():
+    # `sbatch -J "x JobId=999"`: scontrol prints the name after JobId, and the record names job 999
+    with pytest.raises(JobControlError, match="names job '999'"):
+        check_target({**RUNNING, "JobId": "999"}, 7, 0, CONFIG, "checkpoint")
+
+
 def test_an_operator_may_act_on_any_job_and_a_namesake_uid_does_not_matter():
     config = parse({"admin": {"operators": ["ops"]}})
 

@@ -300,3 +300,13 @@ def test_gpus_of_a_node_come_from_its_gres_indexes(node: str, gpus: list[str]) -
 
 def test_a_node_without_gpus_in_the_detail_has_none() -> None:
     assert gpus_of_node("JobId=42 Nodes=n1 CPU_IDs=0 Mem=0 GRES= MinCPUsNode=1", "n1") == []
+
+
+def test_a_job_whose_own_text_imitates_slurms_device_entries_is_refused() -> None:
+    from singularity_slurm.jobenv import InvalidJobIdentity, gpus_of_node
+
+    real = "JobId=5 JobName=x Nodes=n1 CPU_IDs=0-3 Mem=0 GRES=gpu:2(IDX:0-1) Command=/bin/true"
+    assert gpus_of_node(real, "n1") == ["0", "1"]
+    forged = real.replace("JobName=x", "JobName=x Nodes=n1 CPU_IDs=0 Mem=0 GRES=gpu:8(IDX:0-7)")
+    with pytest.raises(InvalidJobIdentity, match="2 times"):
+        gpus_of_node(forged, "n1")

@@ -81,13 +81,14 @@ def test_slurm_times_are_read_in_local_time_and_unknown_ones_are_none() -> None:
 
 
 def test_the_job_table_takes_only_fields_no_user_writes_and_a_name_cannot_forge_another_job() -> None:
+    from singularity_slurm.errors import SlurmError
     from singularity_slurm.slurmcli import job_table_argv, parse_job_table, parse_record
 
     # scontrol's one-line record: a job name holding " JobId=7" names job 7 (the reason for the table)
     assert parse_record("JobId=12 JobName=x JobId=7 JobState=RUNNING")["JobId"] == "7"
     argv = job_table_argv("pending,running")
     assert argv[:4] == ["squeue", "-h", "-t", "pending,running"] and "%j" not in argv[-1]
-    text = "12|RUNNING|basic|n1|n[1-2]|2|gres:gpu:4\n13|PENDING|premium|n/a||1|N/A\n14_2|RUNNING|basic\n"
+    text = "12|RUNNING|basic|n1|n[1-2]|2|gres:gpu:4\n13|PENDING|premium|n/a||1|N/A\n"
     assert parse_job_table(text) == [
         {"JobId": "12", "JobState": "RUNNING", "Partition": "basic", "BatchHost": "n1", "NodeList": "n[1-2]",
          "NumNodes": "2", "TresPerNode": "gres:gpu:4"},
@@ -95,6 +96,11 @@ def test_the_job_table_takes_only_fields_no_user_writes_and_a_name_cannot_forge_
          "NumNodes": "1", "TresPerNode": ""},
     ]
     assert allocated_devices(parse_job_table(text)[0]) == 8
+    # a GRES type is any word a user writes: a line that is not Slurm's shape fails the whole table
+    for forged in ("14_2|RUNNING|basic\n", "12|RUNNING|basic|n1|n1|1|gres:gpu:x y\n",
+                   "12|RUNNING|basic|n1|n1|1|gres:gpu:4\n12|COMPLETED|basic|n1|n1|1|gres:gpu:4\n"):
+        with pytest.raises(SlurmError):
+            parse_job_table(text + forged)
 
 
 def _context(gpus: list[str]):
@@ -104,23 +110,35 @@ def _context(gpus: list[str]):
                       gpus=gpus, restart_count=0)
 
 
-def _slurm(line: str):
+def _slurm(out: str):
     import subprocess
 
     from singularity_slurm.slurmcli import SlurmClient
 
     def runner(argv, **_):
-        return subprocess.CompletedProcess(argv, 0, line + "\n", "")
+        assert argv[0] == "squeue" and "-O" in argv  # fixed columns, never scontrol's record
+        return subprocess.CompletedProcess(argv, 0, out, "")
     return SlurmClient(runner=runner, as_root=False)
 
 
-def test_the_prolog_takes_the_request_from_tres_or_its_own_nodes_gpus_never_from_the_jobs_name() -> None:
-    from singularity_slurm.prolog.main import sla_facts
+def test_the_prolog_takes_the_request_from_its_own_nodes_gpus_and_the_eligible_time_from_squeue() -> None:
+    from singularity_slurm.prolog.main import SLA_LOOKBACK_S, sla_facts
 
-    forged = ("JobId=5 JobName=x TresPerNode=gres:gpu:64 JobState=RUNNING EligibleTime=2026-12-03T06:00:00 "
-              "NumNodes=2 TRES=cpu=2,mem=1G,node=2,billing=2")
-    requested, eligible = sla_facts(_context(["0", "1"]), _slurm(forged))
-    assert requested == 4 and eligible == parse_time("2026-12-03T06:00:00")  # 2 GPUs here x 2 nodes
-    counted = forged.replace("billing=2", "billing=2,gres/gpu=6")
-    assert sla_facts(_context(["0", "1"]), _slurm(counted))[0] == 6
-    assert sla_facts(_context([]), _slurm(forged))[0] == 2  # no GPUs: one per node
+    now = parse_time("2026-12-03T07:00:00")
+    line = "5                   2         2026-12-03T06:00:00      2026-12-03T05:59:00      \n"
+    assert sla_facts(_context(["0", "1"]), _slurm(line), now) == (4, parse_time("2026-12-03T06:00:00"))
+    assert sla_facts(_context([]), _slurm(line), now)[0] == 2  # no GPUs: one per node
+    early = line.replace("2026-12-03T06:00:00", "1970-01-02T00:00:00")
+    assert sla_facts(_context(["0"]), _slurm(early), now)[1] == parse_time("2026-12-03T05:59:00")
+    old = line.replace("2026-12-03T06:00:00", "2026-10-01T00:00:00").replace("2026-12-03T05:59:00",
+                                                                             "2026-10-01T00:00:00")
+    assert sla_facts(_context(["0"]), _slurm(old), now)[1] == now - SLA_LOOKBACK_S
+    assert sla_facts(_context(["0"]), _slurm("garbage\n"), now) == (None, None)
+    assert sla_facts(_context(["0"]), _slurm("5 \u00b2 x y\n"), now) == (1, None)  # no int("²")
+
+
+def test_a_job_older_than_the_window_bound_keeps_its_latest_windows_on_the_same_grid() -> None:
+    rec = record(eligible_at=1000.0 - 10 * (report.MAX_WINDOWS + 5), ended_at=1200.0)
+    sla = report.job_sla(rec, window=10)
+    assert len(sla.windows) == report.MAX_WINDOWS
+    assert sla.windows[-1].end == 1200.0 and (sla.windows[0].start - rec["eligible_at"]) % 10 == 0

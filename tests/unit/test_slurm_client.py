@@ -397,8 +397,9 @@ def test_run_passes_capture_text_timeout_and_input() -> None:
 
     SlurmClient(timeout=12.5, runner=runner).run(["scontrol", "--version"], input="x")
 
+    # errors="replace": a job's name or paths may hold bytes that are not UTF-8
     assert runner.calls == [{"argv": ["scontrol", "--version"], "capture_output": True,
-                             "text": True, "timeout": 12.5, "input": "x"}]
+                             "text": True, "timeout": 12.5, "input": "x", "errors": "replace"}]
 
 
 def test_run_as_another_user_goes_through_runuser() -> None:
