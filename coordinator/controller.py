@@ -114,7 +114,7 @@ class Controller:
     def gather(self) -> Gathered:
         now = self.clock()
         registry = Registry(self.client)
-        slurm_jobs = [j for j in self.slurm.job_table("pending,running")
+        slurm_jobs = [j for j in self.slurm.job_table("pending,running", gpus=True)
                       if self.config.tier_of_partition(j.get("Partition")) is not None]
         records = {}
         for job in slurm_jobs:

@@ -62,7 +62,7 @@ def ensure_context(items: dict[str, str], config: Config, slurm: SlurmClient) ->
     step_id = items.get("SLURM_STEP_ID", "")
     step = slurm.step(job_id, int(step_id)) if step_id.isdigit() and int(step_id) < STEP_SPECIAL else None
     job = JobContext.from_slurm(items, record, (step or {}).get("NodeList"), [], config)
-    return replace(job, gpus=gpus_of_node(slurm.job_detail(job_id), job.node))
+    return replace(job, gpus=gpus_of_node(slurm.job_detail(job_id), job.node, job_id))
 
 
 def claim_store(job: JobContext, config: Config) -> None:

@@ -70,8 +70,8 @@ def snapshot(slurm_jobs: Iterable[Mapping[str, str]], records: Mapping[int, dict
             continue
         job_id = int(job["JobId"])
         tier = tier_of_partition(job.get("Partition", ""))
-        if tier not in FLOORS:
-            continue
+        if tier not in FLOORS or "TresPerNode" not in job:
+            continue  # not a tier's; or its size could not be read (Slurm's table leaves it out)
         record = records.get(job_id)
         accounted = job_sla(record, now=now, window=window) if record else None
         requested = int(accounted.requested) if accounted else _devices(job)

@@ -38,8 +38,9 @@ def check_target(record: dict[str, str] | None, job_id: int, caller_uid: int, co
                               "after MinJobAge)")
     if record.get("JobId") != str(job_id):
         # the job's own name (printed after JobId) can read as ` JobId=N`: the request would go to N
-        raise JobControlError(f"Slurm's record of job {job_id} names job {record.get('JobId')!r} (the job's "
-                              "name imitates Slurm's fields): refusing to act on it")
+        raise JobControlError(f"Slurm's record for job {job_id} names job {record.get('JobId')!r} (the job's "
+                              "name may imitate Slurm's fields, or an array's own record is gone): refusing "
+                              "to act on it")
     user, uid = parse_user(record.get("UserId", ""))
     if uid != caller_uid and not config.admin.is_admin(caller_uid, caller_name):
         raise JobControlError(f"job {job_id} belongs to {user}: you can only {action} your own jobs")

@@ -171,12 +171,20 @@ def _ranges(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def gpus_of_node(detail: str, node: str) -> list[str]:
+def gpus_of_node(detail: str, node: str, job_id: int | None = None) -> list[str]:
     """The GPU indexes a job holds on `node`, from `scontrol show job -d -o`'s per-node entries
     (`Nodes=n[1-2] CPU_IDs=0-3 Mem=0 GRES=gpu:4(IDX:0-3)`); [] when it holds none there.
 
-    The same line holds text the job's user chose (its name, comment, paths), which may imitate an
-    entry; Slurm prints exactly one for each node, so a record with two for `node` is refused."""
+    With `job_id`, only that job's own record (its line starting `JobId=<id> `: for an array's or a
+    heterogeneous job's id, scontrol prints every task's or component's) counts. The line holds text
+    the job's user chose (its name, comment, paths), which may imitate an entry; Slurm prints exactly
+    one for each node of a record, so a record with two for `node` is refused."""
+    if job_id is not None:
+        own = [line for line in detail.splitlines() if line.startswith(f"JobId={int(job_id)} ")]
+        if len(own) != 1:
+            raise InvalidJobIdentity(f"scontrol shows {len(own)} records of job {job_id}, not one: refusing "
+                                     "to guess its devices")
+        detail = own[0]
     found = [gres for nodes, gres in re.findall(r"\bNodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)", detail)
              if node in expand_hostlist(nodes)]
     if len(found) > 1:

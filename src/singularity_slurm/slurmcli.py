@@ -120,33 +120,41 @@ def allocated_devices(record: dict[str, str]) -> int:
 
 
 JOB_TABLE = (("JobId", "%A"), ("JobState", "%T"), ("Partition", "%P"), ("BatchHost", "%B"),
-             ("NodeList", "%N"), ("NumNodes", "%D"), ("TresPerNode", "%b"))
-"""What `SlurmClient.job_table` reads of every job: fields no job's user can write into. (`scontrol
-show job -o` puts the job's name, command and paths, which its user chooses, on the same line as
-the fields Slurm sets: a name holding ` JobId=7` makes that line name another job.)"""
+             ("NodeList", "%N"), ("NumNodes", "%D"))
+"""What `SlurmClient.job_table` reads of every job: fields Slurm and the admin write, never the job's
+user. (`scontrol show job -o` puts the job's name, comment, command and paths, which its user
+chooses, on the same line as the fields Slurm sets: a name holding ` JobId=7` makes that line name
+another job. squeue's `%b`, the GPUs per node, holds a GRES type the user wrote: it is read apart,
+by `parse_gpus_per_node`.)"""
 
 
-def job_table_argv(states: str = "all") -> list[str]:
-    return ["squeue", "-h", "-t", states, "-o", "|".join(code for _, code in JOB_TABLE)]
+def job_table_argv(states: str = "all", job_id: int | None = None) -> list[str]:
+    return ["squeue", "-h", *(["-j", str(int(job_id))] if job_id is not None else []), "-t", states,
+            "-o", "|".join(code for _, code in JOB_TABLE)]
+
+
+def gpus_per_node_argv(states: str = "all") -> list[str]:
+    return ["squeue", "-h", "-t", states, "-o", "%A|%b"]
 
 
 _TABLE_FIELDS = {
     "JobId": re.compile(r"[0-9]{1,19}"),
-    "JobState": re.compile(r"[A-Z_]{1,40}"),
-    "Partition": re.compile(r"[A-Za-z0-9_.,-]{0,256}"),
-    "BatchHost": re.compile(r"[A-Za-z0-9._-]{0,64}"),
-    "NodeList": re.compile(r"[A-Za-z0-9._,\[\]-]{0,4096}"),
+    "JobState": re.compile(r"[A-Z_?]{1,40}"),
+    "Partition": re.compile(r"[A-Za-z0-9_.,-]{0,1024}"),
+    "NodeList": re.compile(r"[A-Za-z0-9._,\[\]-]{0,65536}"),
     "NumNodes": re.compile(r"[0-9]{1,9}"),
-    "TresPerNode": re.compile(r"[A-Za-z0-9_:/=,.()-]{0,256}"),
 }
-"""What each field of the job table may hold. `TresPerNode` is the one a user shapes (a GRES type
-is any word): a line that does not fit is a line nobody can trust."""
+"""What each field of the job table may hold (a batch host is checked apart: for a job not started by
+sbatch squeue prints the host it was submitted from)."""
+_NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_GPUS_PER_NODE = re.compile(r"[A-Za-z0-9_:/=,.()-]{0,1024}")
 
 
 def parse_job_table(text: str) -> list[dict[str, str]]:
     """`squeue` lines of `job_table_argv` -> records with scontrol's key names (`n/a` and `N/A` empty).
-    A line of another shape, or a job id twice, fails the whole table (SlurmError): whoever judges
-    many jobs at once must not judge from a list someone could have written a line of."""
+    A line of another shape, or a job id twice, fails the whole table (SlurmError): nothing in it is
+    the users', so something is wrong. A batch host that is not one of the job's nodes (a job started
+    by salloc or srun: its submit host) is empty."""
     records, seen = [], set()
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -155,17 +163,35 @@ def parse_job_table(text: str) -> list[dict[str, str]]:
         if len(values) != len(JOB_TABLE):
             raise SlurmError(f"squeue line {number} has {len(values)} fields, not {len(JOB_TABLE)}: "
                              f"{line!r}")
-        record = {key: ("" if value.lower() == "n/a" else value) for (key, _), value in zip(JOB_TABLE, values,
-                                                                                            strict=True)}
-        bad = [key for key, value in record.items() if not _TABLE_FIELDS[key].fullmatch(value)]
+        record = {key: ("" if value.lower() == "n/a" else value)
+                  for (key, _), value in zip(JOB_TABLE, values, strict=True)}
+        bad = [key for key, pattern in _TABLE_FIELDS.items() if not pattern.fullmatch(record[key])]
         if bad or not record["JobId"]:
             what = ", ".join(bad) or "JobId"
             raise SlurmError(f"squeue line {number} does not look like Slurm's ({what}): {line!r}")
         if record["JobId"] in seen:
             raise SlurmError(f"squeue lists job {record['JobId']} twice (line {number})")
         seen.add(record["JobId"])
+        host = record["BatchHost"]
+        if not _NODE_NAME.fullmatch(host) or host not in expand_hostlist(record["NodeList"]):
+            record["BatchHost"] = ""
         records.append(record)
     return records
+
+
+def parse_gpus_per_node(text: str, jobs: Iterable[str]) -> dict[str, str]:
+    """job id -> its GPUs per node (`%b`, e.g. `gres:gpu:4`), from `gpus_per_node_argv`'s lines, for
+    the ids of `jobs` only. The field holds a GRES type its user wrote, which may carry `|` or a line
+    break and so imitate a line of another job: an id whose lines are not exactly one, or whose value
+    is not of GRES's shape, is left out (its size is unknown)."""
+    wanted = set(jobs)
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        job, sep, value = line.strip().partition("|")
+        if sep and job in wanted:
+            found.setdefault(job, []).append(value.strip())
+    return {job: ("" if values[0].lower() == "n/a" else values[0]) for job, values in found.items()
+            if len(values) == 1 and _GPUS_PER_NODE.fullmatch(values[0])}
 
 
 def parse_time(text: str | None) -> float | None:
@@ -268,17 +294,23 @@ class SlurmClient:
             return []
         return parse_records(proc.stdout)
 
-    def job_table(self, states: str = "all") -> list[dict[str, str]]:
+    def job_table(self, states: str = "all", gpus: bool = False) -> list[dict[str, str]]:
         """Every job Slurm knows in `states` (squeue's list), with the fields of `JOB_TABLE` only: what
-        root reads when it judges many jobs at once."""
-        return parse_job_table(self.run(job_table_argv(states)).stdout)
+        root reads when it judges many jobs at once. With `gpus`, each job's `TresPerNode` too where
+        it can be read (see `parse_gpus_per_node`; a job without one has an unknown size)."""
+        table = parse_job_table(self.run(job_table_argv(states)).stdout)
+        if gpus:
+            per_node = parse_gpus_per_node(self.run(gpus_per_node_argv(states)).stdout,
+                                           (r["JobId"] for r in table))
+            for record in table:
+                if record["JobId"] in per_node:
+                    record["TresPerNode"] = per_node[record["JobId"]]
+        return table
 
     def job_row(self, job_id: int) -> dict[str, str] | None:
         """One job's `JOB_TABLE` fields (squeue's, which no user writes); None when Slurm does not
         list it (or lists something that is not Slurm's shape)."""
-        argv = job_table_argv("all")
-        argv[2:2] = ["-j", str(int(job_id))]
-        proc = self.run(argv, check=False)
+        proc = self.run(job_table_argv("all", job_id), check=False)
         try:
             rows = parse_job_table(proc.stdout)
         except SlurmError:

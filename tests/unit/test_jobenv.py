@@ -310,3 +310,13 @@ def test_a_job_whose_own_text_imitates_slurms_device_entries_is_refused() -> Non
     forged = real.replace("JobName=x", "JobName=x Nodes=n1 CPU_IDs=0 Mem=0 GRES=gpu:8(IDX:0-7)")
     with pytest.raises(InvalidJobIdentity, match="2 times"):
         gpus_of_node(forged, "n1")
+
+
+def test_of_an_array_or_heterogeneous_jobs_records_only_the_jobs_own_counts() -> None:
+    from singularity_slurm.jobenv import InvalidJobIdentity, gpus_of_node
+
+    detail = ("JobId=7 ArrayJobId=7 ArrayTaskId=0 Nodes=n1 CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:0)\n"
+              "JobId=8 ArrayJobId=7 ArrayTaskId=1 Nodes=n1 CPU_IDs=1 Mem=0 GRES=gpu:1(IDX:1)\n")
+    assert gpus_of_node(detail, "n1", 7) == ["0"] and gpus_of_node(detail, "n1", 8) == ["1"]
+    with pytest.raises(InvalidJobIdentity, match="0 records of job 9"):
+        gpus_of_node(detail, "n1", 9)

@@ -36,11 +36,13 @@ def tiers(partition: str) -> str | None:
 
 def test_the_snapshot_joins_slurms_jobs_with_their_accounting_and_elasticity() -> None:
     slurm_jobs = [
-        {"JobId": "7", "JobState": "RUNNING", "Partition": "standard", "TRES": "cpu=2,gres/gpu=4"},
+        {"JobId": "7", "JobState": "RUNNING", "Partition": "standard", "TresPerNode": "gres:gpu:4",
+         "NumNodes": "1"},
         {"JobId": "8", "JobState": "PENDING", "Partition": "premium", "TresPerNode": "gres:gpu:2",
          "NumNodes": "1"},
-        {"JobId": "9", "JobState": "RUNNING", "Partition": "debug", "TRES": "gres/gpu=1"},  # no tier
-        {"JobId": "10", "JobState": "COMPLETED", "Partition": "basic"},
+        {"JobId": "9", "JobState": "RUNNING", "Partition": "debug", "TresPerNode": "gres:gpu:1"},  # no tier
+        {"JobId": "10", "JobState": "COMPLETED", "Partition": "basic", "TresPerNode": ""},
+        {"JobId": "11", "JobState": "RUNNING", "Partition": "basic", "NumNodes": "1"},  # size unreadable
     ]
     record = {"job_id": 7, "tier": "standard", "requested_devices": 8, "eligible_at": 0.0,
               "first_started_at": 0.0, "ended_at": None,

@@ -82,25 +82,31 @@ def test_slurm_times_are_read_in_local_time_and_unknown_ones_are_none() -> None:
 
 def test_the_job_table_takes_only_fields_no_user_writes_and_a_name_cannot_forge_another_job() -> None:
     from singularity_slurm.errors import SlurmError
-    from singularity_slurm.slurmcli import job_table_argv, parse_job_table, parse_record
+    from singularity_slurm.slurmcli import job_table_argv, parse_gpus_per_node, parse_job_table, parse_record
 
     # scontrol's one-line record: a job name holding " JobId=7" names job 7 (the reason for the table)
     assert parse_record("JobId=12 JobName=x JobId=7 JobState=RUNNING")["JobId"] == "7"
     argv = job_table_argv("pending,running")
-    assert argv[:4] == ["squeue", "-h", "-t", "pending,running"] and "%j" not in argv[-1]
-    text = "12|RUNNING|basic|n1|n[1-2]|2|gres:gpu:4\n13|PENDING|premium|n/a||1|N/A\n"
-    assert parse_job_table(text) == [
+    assert argv[:4] == ["squeue", "-h", "-t", "pending,running"]
+    assert "%j" not in argv[-1] and "%b" not in argv[-1]
+    text = "12|RUNNING|basic|n1|n[1-2]|2\n13|PENDING|premium|n/a||1\n14|RUNNING|basic|login1|n3|1\n"
+    table = parse_job_table(text)
+    assert table == [
         {"JobId": "12", "JobState": "RUNNING", "Partition": "basic", "BatchHost": "n1", "NodeList": "n[1-2]",
-         "NumNodes": "2", "TresPerNode": "gres:gpu:4"},
+         "NumNodes": "2"},
         {"JobId": "13", "JobState": "PENDING", "Partition": "premium", "BatchHost": "", "NodeList": "",
-         "NumNodes": "1", "TresPerNode": ""},
+         "NumNodes": "1"},
+        # an salloc job: squeue's batch host is its submit host, none of its nodes
+        {"JobId": "14", "JobState": "RUNNING", "Partition": "basic", "BatchHost": "", "NodeList": "n3",
+         "NumNodes": "1"},
     ]
-    assert allocated_devices(parse_job_table(text)[0]) == 8
-    # a GRES type is any word a user writes: a line that is not Slurm's shape fails the whole table
-    for forged in ("14_2|RUNNING|basic\n", "12|RUNNING|basic|n1|n1|1|gres:gpu:x y\n",
-                   "12|RUNNING|basic|n1|n1|1|gres:gpu:4\n12|COMPLETED|basic|n1|n1|1|gres:gpu:4\n"):
+    for broken in ("15_2|RUNNING|basic\n", "12|RUNNING|basic|n1|n1|1\n"):  # not Slurm's shape; twice
         with pytest.raises(SlurmError):
-            parse_job_table(text + forged)
+            parse_job_table(text + broken)
+    # GPUs per node hold a GRES type the user wrote: read apart, only for the table's jobs, exactly once
+    per_node = "12|gres:gpu:4\n13|N/A\n14|gres:gpu:x|y\n14|gres:gpu:1\n99|gres:gpu:64\n12b|x\n"
+    assert parse_gpus_per_node(per_node, ["12", "13", "14"]) == {"12": "gres:gpu:4", "13": ""}
+    assert allocated_devices({**table[0], "TresPerNode": "gres:gpu:4"}) == 8
 
 
 def _context(gpus: list[str]):
