@@ -28,6 +28,7 @@ from .render import Layout
 SYSTEM_PACKAGES = [
     "munge", "slurmctld", "slurmd", "slurm-client", "libslurm-dev", "redis-server",
     "gcc", "libc6-dev", "patchelf", "procps", "util-linux", "lua5.1",
+    "prometheus",  # scrapes the SLA controller's metrics in the tests (the dev cluster starts none)
 ]
 CRIU_SUITE = "trixie"
 CRIU_PACKAGES = [

@@ -1,28 +1,57 @@
-"""The SLA accounting and the SLA controller on the real cluster: the GPU fractions `singularityctl
-sla` reports for a job that was checkpointed and preempted match the fractions of the job's own
-timeline, and the controller protects it once the preemption has left it short of its floor.
+"""The SLA accounting and the SLA controller on the real cluster, in one scripted scenario:
 
-The job prints the time, from its own clock, every 20 ms it runs: the gaps in what it printed are
-exactly when it did not run (frozen for a dump, pending after the preemption, being restored). The
-test rebuilds the windows from those lines alone and compares them with the registry's.
+- an elastic basic DDP job B (4 ranks, `--nodes=1-2 --gres=gpu:2`) and a standard job S (2 devices)
+  run side by side;
+- a premium job P1 takes every device for 15 s: Slurm preempts both (checkpointed, requeued);
+- a premium job P2 (one whole node) arrives while P1 runs: when P1 leaves, P2 takes one node and S
+  and B share the other, B shrunk to 2 devices (2 ranks to a device);
+- the controller (running all along, `--actuate`) protects S once the preemption has left it short
+  of its floor, and when P2 departs grows B back to 4 devices (a resize through its node agent);
+- a real Prometheus server (Debian's) scrapes the controller's metrics all along.
+
+S prints the time, from its own clock, every 20 ms it runs: the gaps in what it printed are exactly
+when it did not run (frozen for a dump, pending after the preemption, being restored). The test
+rebuilds S's windows from those lines alone and compares them with what `singularityctl sla` reports.
+B's training log must not depend on the sizes it ran at.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import socket
 import subprocess
+import tempfile
 import time
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from conftest import CTL, run_as
+from test_distributed import (
+    copy_example,
+    job_script,
+    logged_steps,
+    reference_logs,
+    wait_for_steps,
+    wait_for_text,
+)
 
 from singularity_slurm.coordinator import keys
 
+pytestmark = pytest.mark.integration
+
 PYTHON = str(Path(CTL).with_name("python"))
 CONTROLLER = str(Path(CTL).with_name("singularity-controller"))
-WINDOW_S = 30
+PROMETHEUS = "/usr/bin/prometheus"
+WINDOW_S = 30  # the windows the fractions are compared in
+CONTROLLER_WINDOW_S = 120  # the controller's: a standard job (floor 0.70) may lose 36 s of it
+PREEMPTION_COST_S = 20  # so it protects one with less than 20 s of slack left
 TICKS = 2400  # about 55 s of running
+DDP_ARGS = ["--steps", "320", "--hidden", "64"]
 
 TICK = """import sys, time
 for _ in range(int(sys.argv[1])):
@@ -31,9 +60,9 @@ for _ in range(int(sys.argv[1])):
 print("done", flush=True)
 """
 
-JOB = f"""#!/bin/bash
+STANDARD = f"""#!/bin/bash
 #SBATCH --singularity-sla=standard
-#SBATCH --gres=gpu:4
+#SBATCH --gres=gpu:2
 #SBATCH -o tick.out
 {CTL} run -- {PYTHON} tick.py {TICKS}
 """
@@ -42,7 +71,23 @@ EVERYTHING = """#!/bin/bash
 #SBATCH --singularity-sla=premium
 #SBATCH --nodes=2 --gres=gpu:4
 #SBATCH -o everything-%j.out
-sleep 20
+sleep 15
+"""
+
+ONE_NODE = """#!/bin/bash
+#SBATCH --singularity-sla=premium
+#SBATCH --nodes=1 --gres=gpu:4
+#SBATCH -o one-node-%j.out
+sleep 600
+"""
+
+PROMETHEUS_CONFIG = """global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: singularity-controller
+    static_configs:
+      - targets: ["127.0.0.1:{port}"]
 """
 
 
@@ -65,113 +110,194 @@ def fraction(spans: list[tuple[float, float]], start: float, end: float) -> floa
     return sum(max(min(e, end) - max(s, start), 0.0) for s, e in spans) / (end - start)
 
 
-def _wait_for_ticks(jobs, job_id: int, log: Path, count: int) -> None:
-    jobs.wait(job_id, lambda r: len(ticks(log.read_text())) >= count, f"{count} ticks printed", timeout=120)
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def controller_once() -> list[dict]:
-    """One decision of the controller: a 120 s window in which a standard job (floor 0.70) may lose
-    36 s, and a preemption that costs 20."""
-    argv = [CONTROLLER, "--once", "--json", "--window", "120", "--preemption-cost", "20"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+def poll(what: str, probe, timeout: float = 60):
+    """`probe()`'s first true value within `timeout`, or a failure naming `what`."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except OSError as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.5)
+    pytest.fail(f"{what} never happened; last seen: {str(last)[-3000:]}")
+
+
+def scraped(port: int, name: str, **labels: str) -> float | None:
+    """The value of one series of the controller's metrics endpoint, read as Prometheus reads it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return None
+
+
+def prometheus_query(port: int, query: str) -> dict[str, float]:
+    """An instant query of the Prometheus server: each series' `action` or `tier` label (or "")
+    and its value."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        answer = json.load(reply)
+    assert answer["status"] == "success", answer
+    return {r["metric"].get("action") or r["metric"].get("tier") or "": float(r["value"][1])
+            for r in answer["data"]["result"]}
+
+
+def logged(job_id: int) -> list[dict]:
+    proc = subprocess.run([CTL, "sla", str(job_id), "--actions", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
-def test_a_preempted_standard_jobs_fractions_match_its_own_timeline_and_the_controller_protects_it(
-        jobs, job_user, registry):
-    """One job's life: started, checkpointed by its user (it stops for the dump only), preempted by
-    a premium job that holds every device for 20 s, restored, ended. The fractions `sla` reports
-    match those of the job's own timeline; the controller protects the job once the preemption has
-    left it short of its floor, not before, and says why."""
+@pytest.fixture
+def controller(tmp_path):
+    """The SLA controller as a site runs it (acting, serving metrics), and a Prometheus server
+    scraping it every second; both ended at the test's end, the controller's log shown on failure."""
+    metrics_port, prometheus_port = free_port(), free_port()
+    log, prom_log = open(tmp_path / "controller.log", "w"), open(tmp_path / "prometheus.log", "w")
+    ctl = subprocess.Popen([CONTROLLER, "--period", "2", "--window", str(CONTROLLER_WINDOW_S),
+                            "--preemption-cost", str(PREEMPTION_COST_S), "--actuate",
+                            "--metrics-port", str(metrics_port)],
+                           stdout=log, stderr=subprocess.STDOUT, text=True)
+    config = tmp_path / "prometheus.yml"
+    config.write_text(PROMETHEUS_CONFIG.format(port=metrics_port))
+    data = Path(tempfile.mkdtemp(prefix="prometheus-", dir="/tmp"))
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={data}",
+                             f"--web.listen-address=127.0.0.1:{prometheus_port}"],
+                            stdout=subprocess.DEVNULL, stderr=prom_log)
+    try:
+        yield ctl, metrics_port, prometheus_port
+    finally:
+        for proc in (prom, ctl):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+        log.close()
+        prom_log.close()
+        shutil.rmtree(data, ignore_errors=True)
+        print("controller log:\n" + (tmp_path / "controller.log").read_text()[-6000:])
+
+
+def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fractions_match_its_timeline(
+        jobs, job_user, registry, controller, tmp_path):
+    ctl, metrics_port, prometheus_port = controller
+    # the undisturbed run B's logs must equal, beside the scenario (it needs no cluster)
+    referee = ThreadPoolExecutor(1)
+    reference = referee.submit(reference_logs, tmp_path, "train_ddp.py", DDP_ARGS, world=4, per_proxy=1)
+    copy_example(jobs, "train_ddp.py")
     jobs.script("tick.py", TICK)
-    job_id = jobs.submit(jobs.script("job.sh", JOB))
-    log = jobs.wait_for_file("tick.out")
-    _wait_for_ticks(jobs, job_id, log, 100)
-    assert not [a for a in controller_once() if a["job_id"] == job_id], "protected before it lost anything"
-    _wait_for_ticks(jobs, job_id, log, 400)
-    checkpoint = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
-    assert checkpoint.returncode == 0, checkpoint.stderr
-    _wait_for_ticks(jobs, job_id, log, 1200)
+
+    basic = jobs.submit(jobs.script("basic.sh", job_script(
+        "basic", "#SBATCH --nodes=1-2 --gres=gpu:2", 4, f"train_ddp.py {' '.join(DDP_ARGS)} --sleep 0.25")))
+    jobs.wait_state(basic, "RUNNING")
+    assert jobs.record(basic)["NodeList"] == "n[1-2]"
+    standard = jobs.submit(jobs.script("standard.sh", STANDARD))
+    tick_log = jobs.wait_for_file("tick.out")
+    jobs.wait(standard, lambda r: len(ticks(tick_log.read_text())) >= 600, "600 ticks", timeout=120)
+    wait_for_steps(jobs, basic, 4, 20)
+    # both at their full size, nothing pending: nothing to decide yet (the controller has looked)
+    poll("the controller's look at both jobs", lambda: scraped(
+        metrics_port, "singularity_jobs", tier="standard", state="running") == 1)
+    assert not logged(standard) and not logged(basic)
+
+    # a premium arrival takes everything; a second one, for a whole node, waits for it
+    arrived = time.time()
     everything = jobs.submit(jobs.script("everything.sh", EVERYTHING))
+    jobs.wait_state(everything, "RUNNING", timeout=120)
+    one_node = jobs.submit(jobs.script("one-node.sh", ONE_NODE))
     jobs.wait_state(everything, "COMPLETED", timeout=120)
-    jobs.wait(job_id, lambda r: "restored checkpoint" in log.read_text(), "restored", timeout=120)
+    jobs.wait_state(one_node, "RUNNING", timeout=120)
 
-    decided = [a for a in controller_once() if a["job_id"] == job_id]
-    assert [a["action"] for a in decided] == ["protect"], decided
-    assert "standard job can lose only" in decided[0]["reason"], decided
-    assert str(job_id) in registry.redis.smembers(keys.sla_protected())
-    shown = subprocess.run([CTL, "sla", str(job_id), "--actions"], capture_output=True, text=True)
-    assert shown.returncode == 0 and f"protect job {job_id}: protected" in shown.stdout, shown.stdout
+    # the elastic job restarts on the node left, shrunk, at its full world size
+    wait_for_text(jobs, basic, "restored distributed checkpoint", 1)
+    jobs.wait(standard, lambda r: "restored checkpoint" in tick_log.read_text(), "restored", timeout=120)
+    shrunk = [line for line in (jobs.workdir / "job.out").read_text().splitlines()
+              if "restored distributed checkpoint" in line]
+    assert shrunk[0].endswith("4 ranks on 2 devices of 1 node (2 per device), was 4 ranks on 4 devices of "
+                              "2 nodes"), shrunk
+    protected = poll("the standard job's protection", lambda: [a for a in logged(standard)
+                                                               if a["action"] == "protect"])
+    assert protected[0]["time"] > arrived, "protected before it lost anything"
+    assert "standard job can lose only" in protected[0]["reason"], protected
+    assert str(standard) in registry.redis.smembers(keys.sla_protected())
+    assert not logged(basic), "the shrunk job grew while no device was idle"
 
-    jobs.wait(job_id, lambda r: "done" in log.read_text(), "done", timeout=300)
-    jobs.wait_state(job_id, "COMPLETED", timeout=60)
-    text = log.read_text()
+    # the whole-node premium job departs: the controller grows the elastic job onto its devices
+    departed = time.time()
+    subprocess.run(["scancel", str(one_node)], check=True)
+    wait_for_text(jobs, basic, "restored distributed checkpoint", 2, timeout=180)
+    grown = [a for a in logged(basic) if a["action"] == "grow"]
+    assert len(grown) == 1 and grown[0]["devices"] == 4 and grown[0]["time"] > departed, grown
+    assert grown[0]["outcome"].startswith("resized: checkpoint"), grown
+    assert "idle device(s) no pending job can use" in grown[0]["reason"], grown
+    restored = [line for line in (jobs.workdir / "job.out").read_text().splitlines()
+                if "restored distributed checkpoint" in line]
+    assert restored[1].endswith("4 ranks on 4 devices of 1 node, was 4 ranks on 2 devices of 1 node "
+                                "(2 per device)"), restored
+    shown = subprocess.run([CTL, "sla", "--actions"], capture_output=True, text=True)
+    assert f"protect job {standard}: protected" in shown.stdout, shown.stdout
+    assert f"grow job {basic} to 4 device(s): resized" in shown.stdout, shown.stdout
 
-    # root reads the accounting; the job's user cannot (the registry is root's)
-    proc = run_as("root", [CTL, "sla", str(job_id), "--window", str(WINDOW_S), "--json"])
+    # it trains on at its new size, and what it trained through its sizes is what an undisturbed run
+    # trains (its whole run on one size and back is test_distributed's)
+    wait_for_steps(jobs, basic, 4, logged_steps(jobs, 4) + 10)
+    for rank in range(4):
+        text = (jobs.workdir / "logs" / f"{rank}.log").read_text()
+        assert reference.result()[rank].startswith(text[:text.rfind("\n") + 1]), f"rank {rank}"
+    referee.shutdown()
+    jobs.wait(standard, lambda r: "done" in tick_log.read_text(), "done", timeout=300)
+    jobs.wait_state(standard, "COMPLETED", timeout=60)
+
+    # the standard job's windows: what `sla` reports against the job's own timeline, within 1%
+    proc = run_as("root", [CTL, "sla", str(standard), "--window", str(WINDOW_S), "--json"])
     assert proc.returncode == 0, proc.stderr
     accounted = json.loads(proc.stdout)
-    assert accounted["tier"] == "standard" and accounted["ended"] and accounted["requested_devices"] == 4
-    spans = running_spans(ticks(text))
-    # the windows of the job's own timeline: its end in Slurm's accounting is its Epilog's, after
-    # its last tick
+    assert accounted["tier"] == "standard" and accounted["ended"] and accounted["requested_devices"] == 2
+    spans = running_spans(ticks(tick_log.read_text()))
+    # its end in Slurm's accounting is its Epilog's, after its last tick
     compared = [w for w in accounted["windows"] if w["end"] <= spans[-1][1]]
     report = [(round(w["fraction"], 4), round(fraction(spans, w["start"], w["end"]), 4)) for w in compared]
     print(f"windows of {WINDOW_S}s, (sla's fraction, the job's own): {report}; the job ran {spans}")
-    assert len(spans) >= 2, spans  # it ran, was preempted, ran again (a dump's pause is shorter)
+    assert len(spans) >= 2, spans  # it ran, was preempted, ran again
     assert len(compared) >= 2, accounted["windows"]
     assert all(abs(theirs - ours) <= 0.01 for theirs, ours in report), report
     assert min(ours for _, ours in report) < 0.9, "no window holds the preemption's gap"
     assert any(w["met"] is False for w in accounted["windows"]), "the preemption cost it no window"
 
     table = run_as("root", [CTL, "sla", "--tier", "standard", "--window", str(WINDOW_S)])
-    assert table.returncode == 0 and f"{job_id:>8}  {job_user.pw_name}" in table.stdout, table.stdout
+    assert table.returncode == 0 and f"{standard:>8}  {job_user.pw_name}" in table.stdout, table.stdout
     assert "standard: " in table.stdout
-    denied = run_as(job_user.pw_name, [CTL, "sla", str(job_id)])
+    denied = run_as(job_user.pw_name, [CTL, "sla", str(standard)])
     assert denied.returncode == 1
     assert "the SLA accounting is kept in the registry" in denied.stderr
     assert "permission denied" in denied.stderr
 
-    # one controller decides at a time: a second one waits for the first's lease; the first serves
-    # its metrics
-    port = _free_port()
-    first = subprocess.Popen([CONTROLLER, "--period", "2", "--metrics-port", str(port)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        metrics = _scrape(port, lambda text: "singularity_controller_leader 1.0" in text
-                          and 'singularity_sla_attainment{tier="standard"}' in text)
-        assert "singularity_devices_idle " in metrics and "singularity_checkpoints_total" in metrics, metrics
-        second = subprocess.run([CONTROLLER, "--once"], capture_output=True, text=True, timeout=60)
-        assert second.returncode == 1 and "holds the lease; not deciding" in second.stderr, second.stderr
-    finally:
-        first.send_signal(signal.SIGTERM)
-        first.wait(timeout=60)
+    # Prometheus scraped the controller: its decisions and the tiers' attainment are in its store
+    decided = poll("Prometheus's series of the controller's decisions", lambda: prometheus_query(
+        prometheus_port, "singularity_controller_actions_total"))
+    assert decided.get("grow", 0) >= 1 and decided.get("protect", 0) >= 1, decided
+    assert prometheus_query(prometheus_port, "max_over_time(singularity_controller_leader[5m])") == {"": 1.0}
+    attained = poll("Prometheus's series of the standard tier's attainment", lambda: prometheus_query(
+        prometheus_port, "singularity_sla_attainment"))
+    assert "standard" in attained and 0 <= attained["standard"] <= 1, attained
+
+    # one controller decides at a time: a second one waits for the first's lease
+    second = subprocess.run([CONTROLLER, "--once"], capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and "holds the lease; not deciding" in second.stderr, second.stderr
+    ctl.send_signal(signal.SIGTERM)
+    ctl.wait(timeout=60)
     assert registry.redis.get(keys.sla_leader()) is None  # released at its end
-    registry.redis.srem(keys.sla_protected(), job_id)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _scrape(port: int, ready, timeout: float = 60) -> str:
-    """The controller's metrics, once `ready` holds for them (its first look at the cluster done)."""
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    text = ""
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-                text = reply.read().decode()
-            if ready(text):
-                return text
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"the controller's metrics never became ready: {text[-3000:]}")
+    registry.redis.srem(keys.sla_protected(), standard)
