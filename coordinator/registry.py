@@ -126,17 +126,19 @@ class Registry:
             pipe.execute()
 
     def record_checkpoint(self, job_id: int, summary: dict, stop: bool | None = None,
-                          dump_seconds: float | None = None, frozen_seconds: float | None = None) -> None:
+                          dump_seconds: float | None = None, frozen_seconds: float | None = None,
+                          cut_seconds: float | None = None) -> None:
         """Index a committed checkpoint (the store stays the truth; this only serves `status` and
         the SLA accounting: how long it took, when its dump ended, how long criu kept the tree frozen,
-        whether the tree stays stopped)."""
+        how long the ranks took to reach the cut before it, whether the tree stays stopped)."""
         pipe = self.redis.pipeline()
         pipe.rpush(keys.job_checkpoints(job_id), json.dumps(summary))
         pipe.ltrim(keys.job_checkpoints(job_id), -50, -1)
         pipe.rpush(keys.job_events(job_id), json.dumps(
             {"event": "checkpoint", "seq": summary.get("seq"), "reason": summary.get("reason"),
              "node": summary.get("node"), "seconds": summary.get("seconds"), "stop": stop,
-             "dump_seconds": dump_seconds, "frozen_seconds": frozen_seconds, "time": self.clock()}))
+             "dump_seconds": dump_seconds, "frozen_seconds": frozen_seconds,
+             **({"cut_seconds": cut_seconds} if cut_seconds is not None else {}), "time": self.clock()}))
         pipe.execute()
 
     def record_running(self, job_id: int, node: str, how: str, devices: int) -> None:

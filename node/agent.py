@@ -575,10 +575,12 @@ class AgentState:
             return self._through_launcher({"op": "checkpoint"})
         run = _run_key(request) or self.run_key
 
+        cut_seconds: float | None = None
+
         def dump(tree: Tree) -> dict:
             return tree.engine.checkpoint(self.job_id, self.job_uid, tree.init_pid, reason=reason,
                                           stop=stop, generation=generation, run=run, common=common,
-                                          size=self.size)
+                                          size=self.size, cut_seconds=cut_seconds)
 
         try:
             cut_seconds = self._quiesce()

@@ -244,16 +244,19 @@ class CheckpointEngine:
 
     def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                    generation: str | None = None, run: str | None = None,
-                   common: list[str] | None = None, size: dict[str, int] | None = None) -> dict[str, Any]:
+                   common: list[str] | None = None, size: dict[str, int] | None = None,
+                   cut_seconds: float | None = None) -> dict[str, Any]:
         """Dump the tree and commit it. For a multi-tree checkpoint, `common` lists the generations
         every tree committed (newest first; None: not known, and nothing of this run is pruned);
-        `size`: a distributed job's ranks, devices and nodes, which the checkpoint records."""
+        `size`: a distributed job's ranks, devices and nodes, which the checkpoint records;
+        `cut_seconds`: how long its ranks took to reach the cut just before (the accounting counts
+        the job stopped from the cut's start)."""
         started = time.monotonic()
         work = self.run_dir / f"dump-{self.rank}-{int(time.time() * 1000)}"
         work.mkdir(mode=0o700, parents=True)
         try:
             summary = self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started,
-                                       size)
+                                       size, cut_seconds)
         except Exception as exc:
             error = str(exc)
             self._index(lambda registry: registry.record_failure(job_id, self.node, reason, error))
@@ -290,7 +293,7 @@ class CheckpointEngine:
 
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                     generation: str | None, run: str | None, work: Path, started: float,
-                    size: dict[str, int] | None = None) -> dict[str, Any]:
+                    size: dict[str, int] | None = None, cut_seconds: float | None = None) -> dict[str, Any]:
         output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
         faults.point(self.config, "dump", self.node)
         self.criu.dump(init_pid, work, leave_running=not stop)
@@ -317,7 +320,7 @@ class CheckpointEngine:
         summary = summarize(manifest, time.monotonic() - started)
         self._index(lambda registry: registry.record_checkpoint(
             job_id, summary, stop=stop, dump_seconds=manifest.meta.get("dump_seconds"),
-            frozen_seconds=frozen))
+            frozen_seconds=frozen, cut_seconds=cut_seconds))
         return {**summary, "notices": local.notices} if local.notices else summary
 
     def _upload(self, job_id: int, work: Path, reason: str, meta: dict[str, Any],

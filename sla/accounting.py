@@ -117,10 +117,12 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
     """A job's timeline from its registry events (each with `event`, `node`, `time`):
 
     - `running` (node, devices): from then the node's trees run on `devices`;
-    - `checkpoint` (node, seconds, stop, dump_seconds, frozen_seconds): the tree stops when criu
-      freezes it, `frozen_seconds` before its dump ended (`dump_seconds` after the checkpoint began,
-      `seconds` before `time`), or where criu's figure is missing when the checkpoint began; a
-      stopping one ends the node's running there, another only until its dump ended;
+    - `checkpoint` (node, seconds, stop, dump_seconds, frozen_seconds, cut_seconds): the tree stops
+      when criu freezes it, `frozen_seconds` before its dump ended (`dump_seconds` after the
+      checkpoint began, `seconds` before `time`), or where criu's figure is missing when the
+      checkpoint began; a distributed job's ranks stop earlier, when they began to reach their cut
+      (`cut_seconds` before the checkpoint began: they wait there for every rank); a stopping one
+      ends the node's running there, another only until its dump ended;
     - `node_start`, `node_end`: the node's running ends (a new allocation, the job's end there); in a
       job with no `running` event at all (its script never ran `singularityctl run`), a node's
       start begins its running, on its `gpus` (or 1).
@@ -156,6 +158,8 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
             # the tree stopped running when criu froze it (its own figure), else when the checkpoint began
             freeze = max(dumped - float(frozen), began) if isinstance(frozen, int | float) and frozen >= 0 \
                 else began
+            if event.get("cut_seconds") is not None:
+                freeze = began - _seconds(event, "cut_seconds")
             stop = event.get("stop")
             if stop is None:
                 stop = event.get("reason") in STOPPING_REASONS

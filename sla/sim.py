@@ -151,6 +151,10 @@ class Simulation:
         self.held_by_tier = dict.fromkeys(TIER_RANK, 0)  # devices held, by tier
         self.unreserved = self.free  # idle devices no waiting job is promised (after `_schedule`)
         self.actions: list[tuple[float, policy.Action]] = []
+        self.timeline: list[tuple[float, str, str, int]] = []
+        """What happened, in order: (time, what, job id, devices): `start` (on `devices`),
+        `preempt`, `end`, and the controller's `protect`, `unprotect`, and the `shrink` and `grow`
+        (to `devices`) it carried out (as in `singularityctl sla --actions`)."""
         for job in self.jobs.values():
             self._at(job.spec.submit, "submit", job)
         if params.mode == "controller":
@@ -178,6 +182,7 @@ class Simulation:
                 self._update(job)
                 self._release(job)
                 job.phase, job.finished = Phase.DONE, when
+                self.timeline.append((when, "end", job_id, 0))
                 left -= 1
             elif kind == "checkpointed":  # a preempted job's dump is done: its devices are free
                 self._update(job)
@@ -193,7 +198,7 @@ class Simulation:
                     self.held_by_tier[job.spec.tier] -= job.held - job.resize_to
                     job.held = job.resize_to
                 job.version += 1
-                self._at(when + self.params.restore_s, "running", job)
+                self._at(when + self._restore_s(job), "running", job)
             elif kind == "running":  # restored, or resized
                 self._update(job)
                 self._run(job)
@@ -276,10 +281,11 @@ class Simulation:
         self.active[job.spec.job_id] = job
         if job.started_at is None:
             job.started_at = self.now
-        if job.preemptions and self.params.restore_s > 0:
+        self.timeline.append((self.now, "start", job.spec.job_id, devices))
+        if job.preemptions and self._restore_s(job) > 0:
             job.phase = Phase.RESTORING
             job.version += 1
-            self._at(self.now + self.params.restore_s, "running", job)
+            self._at(self.now + self._restore_s(job), "running", job)
         else:
             self._run(job)
 
@@ -290,8 +296,15 @@ class Simulation:
                        and not j.protected),
                       key=lambda j: (-TIER_RANK[j.spec.tier], -(j.started_at or 0.0), j.spec.job_id))
 
+    def _checkpoint_s(self, job: SimJob) -> float:
+        return self.params.checkpoint_s if job.spec.checkpoint_s is None else job.spec.checkpoint_s
+
+    def _restore_s(self, job: SimJob) -> float:
+        return self.params.restore_s if job.spec.restore_s is None else job.spec.restore_s
+
     def _preempt(self, job: SimJob) -> None:
         self._update(job)
+        self.timeline.append((self.now, "preempt", job.spec.job_id, 0))
         job.preemptions += 1
         if self.params.mode == "native":
             saved = job.done  # still restarting: nothing done since the last start
@@ -310,7 +323,7 @@ class Simulation:
         job.phase = Phase.CHECKPOINTING
         self.coming += job.held
         job.version += 1
-        self._at(self.now + self.params.checkpoint_s, "checkpointed", job)
+        self._at(self.now + self._checkpoint_s(job), "checkpointed", job)
 
     def _schedule(self) -> None:
         """One pass of the scheduler, in priority order. A job that must wait for devices being freed
@@ -356,6 +369,7 @@ class Simulation:
                             give = min(gives[victim.spec.job_id], short)
                             held = victim.held
                             if self._resize(victim, held - give):
+                                self.timeline.append((self.now, "shrink", victim.spec.job_id, held - give))
                                 self.actions.append((self.now, policy.Shrink(
                                     victim.spec.job_id, held - give,
                                     f"makes room for {job.spec.tier} job {job.spec.job_id}")))
@@ -395,8 +409,9 @@ class Simulation:
             job = self.jobs[action.job_id]
             if isinstance(action, policy.Protect | policy.Unprotect):
                 job.protected = isinstance(action, policy.Protect)
-            else:
-                self._resize(job, action.devices)
+                self.timeline.append((self.now, type(action).__name__.lower(), action.job_id, 0))
+            elif self._resize(job, action.devices):
+                self.timeline.append((self.now, type(action).__name__.lower(), action.job_id, job.resize_to))
 
     def _resize(self, job: SimJob, devices: int) -> bool:
         """Checkpoint a running job and restart it on `devices` (a grow takes idle devices at once
@@ -418,7 +433,7 @@ class Simulation:
         else:
             self.coming += job.held - devices
         job.version += 1
-        self._at(self.now + self.params.checkpoint_s, "resized", job)
+        self._at(self.now + self._checkpoint_s(job), "resized", job)
         return True
 
     # --- results --------------------------------------------------------------------------------

@@ -9,8 +9,14 @@ Columns (a header row names them; their order is free, other columns are ignored
     tier        premium | standard | basic
     min_gpus    (optional) the fewest devices the job may run on, time-sliced: an elastic job's floor
                 (default: gpus, not elastic)
+    checkpoint_s  (optional) this job's checkpoint: seconds from a preemption or resize until its
+                devices are free (default: the simulator's --checkpoint-s)
+    restore_s   (optional) this job's restore: seconds from a restart until it runs again (default:
+                the simulator's --restore-s)
 
 A job that runs on fewer devices than it asked for progresses at held/requested of its full speed.
+Checkpoint and restore costs grow with a job's memory: a trace measured on a real cluster (as the
+dev cluster's SLA test measures one) gives each job its own.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class TraceJob:
     gpus: int
     tier: str
     min_gpus: int
+    checkpoint_s: float | None = None  # None: the simulation's
+    restore_s: float | None = None
 
     @property
     def elastic(self) -> bool:
@@ -60,7 +68,7 @@ def parse(text: str, name: str = "<trace>") -> list[TraceJob]:
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise TraceError(f"{name}:1: the header lacks column(s) {', '.join(missing)}; a trace needs "
-                         f"{', '.join(REQUIRED)} (and optionally min_gpus)")
+                         f"{', '.join(REQUIRED)} (and optionally min_gpus, checkpoint_s, restore_s)")
     jobs = []
     seen: dict[str, int] = {}
     for row in reader:
@@ -89,7 +97,13 @@ def _job(row: dict, where: str, seen: dict[str, int], line: int) -> TraceJob:
     min_gpus = _count(row, "min_gpus", where) if (row.get("min_gpus") or "").strip() else gpus
     if min_gpus > gpus:
         raise TraceError(f"{where}: min_gpus ({min_gpus}) is more than gpus ({gpus})")
-    return TraceJob(job_id, submit, duration, gpus, tier, min_gpus)
+    costs = []
+    for column in ("checkpoint_s", "restore_s"):
+        value = _number(row, column, where) if (row.get(column) or "").strip() else None
+        if value is not None and value < 0:
+            raise TraceError(f"{where}: {column} is negative ({value:g}); a cost is 0 seconds or more")
+        costs.append(value)
+    return TraceJob(job_id, submit, duration, gpus, tier, min_gpus, *costs)
 
 
 def _number(row: dict, column: str, where: str) -> float:
@@ -114,7 +128,12 @@ def write(jobs: Iterable[TraceJob]) -> str:
     """The CSV text of `jobs` (what `parse` reads back)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([*REQUIRED, "min_gpus"])
+    jobs = list(jobs)
+    costs = any(j.checkpoint_s is not None or j.restore_s is not None for j in jobs)
+    writer.writerow([*REQUIRED, "min_gpus", *(("checkpoint_s", "restore_s") if costs else ())])
     for j in jobs:
-        writer.writerow([j.job_id, f"{j.submit:g}", f"{j.duration:g}", j.gpus, j.tier, j.min_gpus])
+        row = [j.job_id, f"{j.submit:g}", f"{j.duration:g}", j.gpus, j.tier, j.min_gpus]
+        if costs:
+            row += ["" if v is None else f"{v:g}" for v in (j.checkpoint_s, j.restore_s)]
+        writer.writerow(row)
     return out.getvalue()

@@ -41,6 +41,8 @@ from test_distributed import (
 )
 
 from singularity_slurm.coordinator import keys
+from singularity_slurm.sla import accounting, policy, sim
+from singularity_slurm.sla.trace import TraceJob
 
 pytestmark = pytest.mark.integration
 
@@ -192,7 +194,7 @@ def controller(tmp_path):
 
 
 def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fractions_match_its_timeline(
-        jobs, job_user, registry, controller, tmp_path):
+        jobs, job_user, registry, config, controller, tmp_path):
     ctl, metrics_port, prometheus_port = controller
     # the undisturbed run B's logs must equal, beside the scenario (it needs no cluster)
     referee = ThreadPoolExecutor(1)
@@ -217,6 +219,7 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
     arrived = time.time()
     everything = jobs.submit(jobs.script("everything.sh", EVERYTHING))
     jobs.wait_state(everything, "RUNNING", timeout=120)
+    queued = time.time()
     one_node = jobs.submit(jobs.script("one-node.sh", ONE_NODE))
     jobs.wait_state(everything, "COMPLETED", timeout=120)
     jobs.wait_state(one_node, "RUNNING", timeout=120)
@@ -294,6 +297,28 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
         prometheus_port, "singularity_sla_attainment"))
     assert "standard" in attained and 0 <= attained["standard"] <= 1, attained
 
+    # the simulator, given the scenario's arrivals and the costs the cluster measured, decides the
+    # same, in the same order, and delivers the same GPU fractions within 5%: the standard job's
+    # over its life until the grow; the elastic job's from its shrunk restart to the grow (before
+    # it, the simulator stops a preempted job at once, while on the cluster a multi-node job runs on
+    # for the few seconds its launcher's srun takes to reach every node's agent)
+    records = {name: registry.job(job_id) for name, job_id in
+               (("B", basic), ("S", standard), ("P1", everything), ("P2", one_node))}
+    cluster = cluster_timeline(records, logged(standard), logged(basic))
+    replay = replay_in_simulator(records, queued, 4 // config.elastic.max_ranks_per_device)
+    print(f"the cluster's timeline: {cluster}\nthe simulator's: {replay.timeline}")
+    for name, timeline in (("cluster", cluster), ("simulator", replay.timeline)):
+        assert in_order(timeline) == [], f"the {name}'s events out of the scenario's order: {timeline}"
+    t0, horizon = first_run(records["B"]), grown[0]["time"]
+    for name, requested, start in (("S", 2, first_run(records["S"])), ("B", 4, records["P1"]["ended_at"])):
+        theirs = accounting.delivered(accounting.segments_from_events(records[name]["events"], requested),
+                                      requested, start, horizon) / (horizon - start)
+        ours = accounting.delivered(replay.jobs[name].segments, requested, start - t0, horizon - t0) \
+            / (horizon - start)
+        print(f"{name}'s GPU fraction from {start - t0:.1f}s until the grow at {horizon - t0:.1f}s: the "
+              f"cluster's {theirs:.3f}, the simulator's {ours:.3f}")
+        assert abs(theirs - ours) <= 0.05, (name, theirs, ours)
+
     # one controller decides at a time: a second one waits for the first's lease
     second = subprocess.run([CONTROLLER, "--once"], capture_output=True, text=True, timeout=60)
     assert second.returncode == 1 and "holds the lease; not deciding" in second.stderr, second.stderr
@@ -301,3 +326,109 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
     ctl.wait(timeout=60)
     assert registry.redis.get(keys.sla_leader()) is None  # released at its end
     registry.redis.srem(keys.sla_protected(), standard)
+
+
+# --- the same scenario in the simulator -----------------------------------------------------------
+
+SCENARIO = [{("preempt", "S"), ("preempt", "B")}, {("start", "P1")}, {("end", "P1")},
+            {("start", "P2"), ("restart", "S"), ("restart", "B"), ("protect", "S")}, {("end", "P2")},
+            {("grow", "B")}]
+"""The scenario's events in the order both the cluster and the simulator must see them (those of
+one set in any order): the preemption, the premium jobs' runs, both jobs' restarts and the standard
+job's protection once it holds devices again (Slurm runs it from its allocation, a moment before
+its Prolog records the start), the departure, the grow."""
+
+
+def first_run(record: dict) -> float:
+    """When the job first ran: its tree (a `singularityctl run` job), or its batch script."""
+    running = [e["time"] for e in record["events"] if e["event"] == "running"]
+    return min(running or [e["time"] for e in record["events"] if e["event"] == "node_start"])
+
+
+def _starts(record: dict) -> dict[int, tuple[float, int]]:
+    """Each start of the job (its restart count): when, and on how many devices in all."""
+    starts: dict[int, tuple[float, int]] = {}
+    for e in record["events"]:
+        if e["event"] == "node_start":
+            at, devices = starts.get(e["restart_count"], (e["time"], 0))
+            starts[e["restart_count"]] = (min(at, e["time"]), devices + e["gpus"])
+    return starts
+
+
+def cluster_timeline(records: dict[str, dict], standard_actions: list[dict],
+                     basic_actions: list[dict]) -> list[tuple[float, str, str, int]]:
+    """The scenario's events on the cluster, from the registry and the controller's log, as the
+    simulator's timeline writes them."""
+    out = []
+    for name, record in records.items():
+        for count, (at, devices) in sorted(_starts(record).items()):
+            out.append((at, "restart" if count else "start", name, devices))
+        out.append((record["ended_at"], "end", name, 0))
+        preempted = [e["time"] for e in record["events"] if e["event"] == "checkpoint"
+                     and e["reason"] == "preempt"]
+        if preempted:
+            out.append((min(preempted), "preempt", name, 0))
+    for name, logged_actions in (("S", standard_actions), ("B", basic_actions)):
+        out += [(a["time"], a["action"], name, a.get("devices", 0)) for a in logged_actions]
+    return sorted(out)
+
+
+def in_order(timeline: list[tuple[float, str, str, int]]) -> list[str]:
+    """What in `timeline` breaks SCENARIO's order: an event missing, or one of a later set before one
+    of an earlier set. The first starts of the two jobs come before all; events after the grow, and
+    the premium jobs' own protection, are not the scenario's."""
+    when: dict[tuple[str, str], float] = {}
+    for at, what, name, _ in timeline:
+        when.setdefault((what, name), at)
+    wrong = [f"{event} never happened" for step in SCENARIO for event in step if event not in when]
+    for earlier, later in zip(SCENARIO, SCENARIO[1:], strict=False):
+        for a in earlier:
+            for b in later:
+                if a in when and b in when and when[a] > when[b]:
+                    wrong.append(f"{b} at {when[b]:.1f} before {a} at {when[a]:.1f}")
+    scenario = set().union(*SCENARIO)
+    grow = when.get(("grow", "B"), float("inf"))
+    extra = [(what, name) for at, what, name, _ in timeline if at <= grow and (what, name) not in scenario
+             and what not in ("start", "end") and not (what == "protect" and name.startswith("P"))]
+    return wrong + [f"{event} is not the scenario's" for event in extra]
+
+
+def replay_in_simulator(records: dict[str, dict], queued: float, min_basic: int) -> sim.Simulation:
+    """The scenario as a trace, with the cluster's measured costs: the first premium job arrives when
+    Slurm's preemption reached the first of its victims (their first checkpoint began), the second
+    when the test submitted it, and both run as long as they ran on the cluster; the two jobs start
+    when they first ran, the standard one runs as long as it did, the elastic one longer than the
+    scenario; each checkpoints in the time from that arrival to its devices' release, and restores
+    in the time from the first premium job's end to its running again. The same controller: a 2 s
+    period, a 120 s window, a 20 s preemption cost."""
+    t0 = first_run(records["B"])
+    end_p1 = records["P1"]["ended_at"]
+    arrived = min(e["time"] - e["seconds"] for name in ("S", "B") for e in records[name]["events"]
+                  if e["event"] == "checkpoint" and e["reason"] == "preempt")
+
+    def costs(record: dict) -> dict[str, float]:
+        released = max(e["time"] for e in record["events"] if e["event"] == "node_end"
+                       and arrived < e["time"] < end_p1)
+        resumed = min(e["time"] for e in record["events"] if e["event"] == "running" and e["time"] > end_p1)
+        return {"checkpoint_s": released - arrived, "restore_s": resumed - end_p1}
+
+    def ran(record: dict) -> float:
+        return record["ended_at"] - min(e["time"] for e in record["events"] if e["event"] == "node_start")
+
+    standard_work = sum(s.end - s.start for s in accounting.segments_from_events(records["S"]["events"], 2))
+    standard_at = first_run(records["S"]) - t0
+    trace = [TraceJob("B", 0.0, 10_000.0, 4, "basic", min_basic, **costs(records["B"])),
+             TraceJob("S", standard_at, standard_work, 2, "standard", 2, **costs(records["S"])),
+             TraceJob("P1", arrived - t0, ran(records["P1"]), 8, "premium", 8),
+             TraceJob("P2", queued - t0, ran(records["P2"]), 4, "premium", 4)]
+    replay = sim.Simulation(trace, sim.SimParams(nodes=2, gpus_per_node=4, mode="controller",
+                                                 window_s=CONTROLLER_WINDOW_S, controller_period_s=2.0),
+                            policy.Params(preemption_cost_s=PREEMPTION_COST_S))
+    replay.run()
+    replay.timeline = [(t + t0, what, name, devices) for t, what, name, devices in replay.timeline]
+    seen: set[str] = set()
+    for i, (t, what, name, devices) in enumerate(replay.timeline):
+        if what == "start":
+            replay.timeline[i] = (t, "restart" if name in seen else "start", name, devices)
+            seen.add(name)
+    return replay

@@ -129,3 +129,15 @@ def test_criu_s_own_frozen_time_places_the_stop_where_the_tree_was_frozen() -> N
     preempt = ev("checkpoint", 50, reason="preempt", seconds=10, stop=True, dump_seconds=3, frozen_seconds=1)
     assert segments_from_events([ev("running", 0, devices=1), preempt, ev("node_end", 51)], 1) == [
         Segment(0, 42, 1)]
+
+
+def test_a_distributed_job_stops_when_its_ranks_began_to_reach_their_cut() -> None:
+    # its checkpoint began at 40, after 2.5 s of bringing the ranks to the cut, where they waited
+    periodic = ev("checkpoint", 50, reason="periodic", seconds=10, stop=False, dump_seconds=3,
+                  frozen_seconds=1, cut_seconds=2.5)
+    assert segments_from_events([ev("running", 0, devices=2), periodic, ev("node_end", 100)], 2) == [
+        Segment(0, 37.5, 2), Segment(43, 100, 2)]
+    preempt = ev("checkpoint", 50, reason="preempt", seconds=10, stop=True, dump_seconds=3, frozen_seconds=1,
+                 cut_seconds=2.5)
+    assert segments_from_events([ev("running", 0, devices=2), preempt, ev("node_end", 51)], 2) == [
+        Segment(0, 37.5, 2)]

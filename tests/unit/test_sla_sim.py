@@ -47,6 +47,17 @@ def test_with_singularity_the_preempted_job_checkpoints_and_loses_nothing() -> N
     assert s.outcome.mean_fraction["premium"] == pytest.approx(1000 / 1030, abs=1e-4)
 
 
+def test_a_job_s_own_costs_replace_the_simulation_s_and_the_timeline_says_what_happened() -> None:
+    jobs = [TraceJob("basic", 0.0, 7200.0, 8, "basic", 8, checkpoint_s=5.0, restore_s=7.0),
+            TraceJob("premium", 4000.0, 1000.0, 8, "premium", 8)]
+    s = run(jobs, "singularity")
+    assert s.jobs["premium"].finished == 4005.0 + 1000.0
+    assert s.jobs["basic"].finished == pytest.approx(5005.0 + 7.0 + 3200.0)
+    assert s.timeline == [(0.0, "start", "basic", 8), (4000.0, "preempt", "basic", 0),
+                          (4005.0, "start", "premium", 8), (5005.0, "end", "premium", 0),
+                          (5005.0, "start", "basic", 8), (pytest.approx(8212.0), "end", "basic", 0)]
+
+
 def test_the_controller_shrinks_an_elastic_job_instead_and_grows_it_back_when_the_devices_free() -> None:
     jobs = [TraceJob("basic", 0.0, 7200.0, 8, "basic", 2),
             TraceJob("premium", 4000.0, 1000.0, 4, "premium", 4)]
@@ -58,6 +69,9 @@ def test_the_controller_shrinks_an_elastic_job_instead_and_grows_it_back_when_th
     assert (shrink, grow) == (policy.Shrink("basic", 4, ""), policy.Grow("basic", 8, ""))
     grown_at = next(t for t, a in s.actions if a == grow)
     assert 5030.0 <= grown_at <= 5030.0 + 60.0  # at the controller's first look after the premium end
+    assert [(what, job, devices) for _, what, job, devices in s.timeline] == [
+        ("start", "basic", 8), ("shrink", "basic", 4), ("start", "premium", 4), ("end", "premium", 0),
+        ("grow", "basic", 8), ("end", "basic", 0)]
     # 4000 s at full size, 30 s checkpoint + 60 s restore at 0, 4 of 8 until the grow, 90 s at 0,
     # then full size for the rest
     half = grown_at - 4090.0

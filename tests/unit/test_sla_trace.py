@@ -27,6 +27,14 @@ def test_a_trace_is_read_in_submission_order_with_elasticity_optional() -> None:
     assert trace.parse(trace.write(jobs)) == jobs
 
 
+def test_a_job_may_carry_its_own_measured_checkpoint_and_restore_costs() -> None:
+    jobs = trace.parse("job_id,submit_s,duration_s,gpus,tier,checkpoint_s,restore_s\n"
+                       "a,0,600,2,standard,5.5,2.25\nb,1,60,4,basic,,21\nc,2,60,1,basic,,\n", "t.csv")
+    assert [(j.checkpoint_s, j.restore_s) for j in jobs] == [(5.5, 2.25), (None, 21.0), (None, None)]
+    assert trace.parse(trace.write(jobs)) == jobs
+    assert "checkpoint_s" not in trace.write([TraceJob("a", 0.0, 600.0, 1, "premium", 1)])
+
+
 H = "job_id,submit_s,duration_s,gpus,tier\n"
 
 
@@ -43,6 +51,10 @@ H = "job_id,submit_s,duration_s,gpus,tier\n"
     ("job_id,submit_s,duration_s,gpus,tier,min_gpus\na,0,10,2,basic,4\n",
      "t.csv:2: min_gpus (4) is more than"),
     (H + ",0,10,1,basic\n", "t.csv:2: job_id is empty"),
+    ("job_id,submit_s,duration_s,gpus,tier,checkpoint_s\na,0,10,2,basic,-1\n",
+     "t.csv:2: checkpoint_s is negative (-1)"),
+    ("job_id,submit_s,duration_s,gpus,tier,restore_s\na,0,10,2,basic,later\n",
+     "t.csv:2: restore_s is not a number: 'later'"),
 ])
 def test_a_bad_trace_is_refused_naming_its_line(text: str, message: str) -> None:
     with pytest.raises(TraceError) as caught:
