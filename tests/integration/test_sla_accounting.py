@@ -309,7 +309,7 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
     print(f"the cluster's timeline: {cluster}\nthe simulator's: {replay.timeline}")
     for name, timeline in (("cluster", cluster), ("simulator", replay.timeline)):
         assert in_order(timeline) == [], f"the {name}'s events out of the scenario's order: {timeline}"
-    t0, horizon = first_run(records["B"]), grown[0]["time"]
+    t0, horizon = origin(records), grown[0]["time"]
     for name, requested, start in (("S", 2, first_run(records["S"])), ("B", 4, records["P1"]["ended_at"])):
         theirs = accounting.delivered(accounting.segments_from_events(records[name]["events"], requested),
                                       requested, start, horizon) / (horizon - start)
@@ -343,6 +343,11 @@ def first_run(record: dict) -> float:
     """When the job first ran: its tree (a `singularityctl run` job), or its batch script."""
     running = [e["time"] for e in record["events"] if e["event"] == "running"]
     return min(running or [e["time"] for e in record["events"] if e["event"] == "node_start"])
+
+
+def origin(records: dict[str, dict]) -> float:
+    """The scenario's time 0: when the first of the two jobs first ran."""
+    return min(first_run(records["B"]), first_run(records["S"]))
 
 
 def _starts(record: dict) -> dict[int, tuple[float, int]]:
@@ -401,7 +406,7 @@ def replay_in_simulator(records: dict[str, dict], queued: float, min_basic: int)
     scenario; each checkpoints in the time from that arrival to its devices' release, and restores
     in the time from the first premium job's end to its running again. The same controller: a 2 s
     period, a 120 s window, a 20 s preemption cost."""
-    t0 = first_run(records["B"])
+    t0 = origin(records)
     end_p1 = records["P1"]["ended_at"]
     arrived = min(e["time"] - e["seconds"] for name in ("S", "B") for e in records[name]["events"]
                   if e["event"] == "checkpoint" and e["reason"] == "preempt")
@@ -416,8 +421,8 @@ def replay_in_simulator(records: dict[str, dict], queued: float, min_basic: int)
         return record["ended_at"] - min(e["time"] for e in record["events"] if e["event"] == "node_start")
 
     standard_work = sum(s.end - s.start for s in accounting.segments_from_events(records["S"]["events"], 2))
-    standard_at = first_run(records["S"]) - t0
-    trace = [TraceJob("B", 0.0, 10_000.0, 4, "basic", min_basic, **costs(records["B"])),
+    standard_at, basic_at = first_run(records["S"]) - t0, first_run(records["B"]) - t0
+    trace = [TraceJob("B", basic_at, 10_000.0, 4, "basic", min_basic, **costs(records["B"])),
              TraceJob("S", standard_at, standard_work, 2, "standard", 2, **costs(records["S"])),
              TraceJob("P1", arrived - t0, ran(records["P1"]), 8, "premium", 8),
              TraceJob("P2", queued - t0, ran(records["P2"]), 4, "premium", 4)]
