@@ -4,6 +4,11 @@
   each with `jobid`, `submitted_time` and `attempts`, each attempt with `start_time`, `end_time`
   and `detail` listing the GPUs it held). A job's run time is the sum of its attempts' lengths;
   its size, the GPUs of its last attempt. Jobs that never ran are left out.
+- `philly-summary`: Philly's jobs one CSV line each (columns `timestamp`, the submission;
+  `duration`, the run time in seconds; `num_gpus`; optionally `cluster`, the virtual cluster), as
+  the Pollux artifact publishes the Philly trace (petuum/adaptdl, `simulator/traces/philly.csv`).
+  Lines have no job id: a job is named by its virtual cluster and its line in the file. Jobs with
+  no GPU, or that never ran, are left out. `--cluster` keeps one virtual cluster's jobs.
 - `helios`: SenseTime Helios's `cluster_log.csv` (S-Lab-System-Group/HeliosData; columns `job_id`,
   `gpu_num`, `submit_time`, and `duration` or `start_time`/`end_time`). Jobs with no GPU, or that
   never ran, are left out.
@@ -25,7 +30,7 @@ from datetime import UTC, datetime
 
 from .trace import TraceError, TraceJob
 
-FORMATS = ("csv", "philly", "helios")
+FORMATS = ("csv", "philly", "philly-summary", "helios")
 DEFAULT_SHARES = (("premium", 0.2), ("standard", 0.3), ("basic", 0.5))
 
 
@@ -116,6 +121,35 @@ def philly(text: str, name: str = "<philly trace>", shares: Sequence[tuple[str, 
     return _rebase(raw, shares, elastic_share)
 
 
+def philly_summary(text: str, name: str = "<philly summary>",
+                   shares: Sequence[tuple[str, float]] = DEFAULT_SHARES, elastic_share: float = 0.5,
+                   cluster: str | None = None) -> list[TraceJob]:
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in ("timestamp", "duration", "num_gpus") if c not in (reader.fieldnames or [])]
+    if missing:
+        raise TraceError(f"{name}:1: not a Philly job summary: it needs timestamp, duration and num_gpus; "
+                         f"missing {', '.join(missing)}")
+    raw = []
+    for row in reader:
+        where = f"{name}:{reader.line_num}"
+        if cluster is not None and (row.get("cluster") or "").strip() != cluster:
+            continue
+        try:
+            gpus, duration = int(float(row["num_gpus"] or 0)), float(row["duration"] or 0)
+        except ValueError:
+            raise TraceError(f"{where}: num_gpus and duration must be numbers, not {row['num_gpus']!r} and "
+                             f"{row['duration']!r}") from None
+        if not math.isfinite(duration):
+            raise TraceError(f"{where}: duration is not finite: {row['duration']!r}")
+        if gpus <= 0 or duration <= 0:
+            continue
+        job_id = f"{(row.get('cluster') or 'philly').strip()}-{reader.line_num}"
+        raw.append((job_id, _time(row["timestamp"], where), duration, gpus))
+    if cluster is not None and not raw:
+        raise TraceError(f"{name}: no job of virtual cluster {cluster!r} ran")
+    return _rebase(raw, shares, elastic_share)
+
+
 def helios(text: str, name: str = "<helios trace>", shares: Sequence[tuple[str, float]] = DEFAULT_SHARES,
            elastic_share: float = 0.5) -> list[TraceJob]:
     reader = csv.DictReader(io.StringIO(text))
@@ -149,10 +183,14 @@ def helios(text: str, name: str = "<helios trace>", shares: Sequence[tuple[str, 
 
 
 def load(text: str, fmt: str, name: str, shares: Sequence[tuple[str, float]] = DEFAULT_SHARES,
-         elastic_share: float = 0.5) -> list[TraceJob]:
-    """The jobs of a trace in one of `FORMATS`."""
+         elastic_share: float = 0.5, cluster: str | None = None) -> list[TraceJob]:
+    """The jobs of a trace in one of `FORMATS` (`cluster`: one virtual cluster's, philly-summary)."""
     from . import trace
 
+    if cluster is not None and fmt != "philly-summary":
+        raise TraceError(f"a virtual cluster is chosen in philly-summary traces only, not {fmt}")
+    if fmt == "philly-summary":
+        return philly_summary(text, name, shares, elastic_share, cluster)
     if fmt == "csv":
         return trace.parse(text, name)
     if fmt == "philly":

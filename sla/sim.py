@@ -555,15 +555,19 @@ def main(argv: list[str] | None = None) -> int:
                     "with the SLA controller's elasticity and protection (controller), side by side, and "
                     "report utilization, goodput, per-tier SLA attainment, completion times, preemptions "
                     "and resizes.",
-        epilog="Trace formats: csv (job_id, submit_s, duration_s, gpus, tier[, min_gpus]; see "
-               "singularity_slurm.sla.trace), philly (Philly's cluster_job_log JSON), helios (Helios's "
-               "cluster_log.csv). Published traces have no tiers: --tier-shares and --elastic-share draw "
-               "them per job, the same way every run. Exit status: 0, or 2 for a bad trace or option.")
+        epilog="Trace formats: csv (job_id, submit_s, duration_s, gpus, tier[, min_gpus, checkpoint_s, "
+               "restore_s]; see singularity_slurm.sla.trace), philly (Philly's cluster_job_log JSON), "
+               "philly-summary (Philly's jobs one CSV line each: timestamp, duration, num_gpus[, cluster], "
+               "as the Pollux artifact publishes them), helios (Helios's cluster_log.csv). Published "
+               "traces have no tiers: --tier-shares and --elastic-share draw them per job, the same way "
+               "every run. Exit status: 0, or 2 for a bad trace or option.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("trace", type=Path, nargs="?", help="the job trace")
     source.add_argument("--synthetic", type=int, metavar="JOBS",
                         help="simulate a synthetic trace of JOBS jobs shaped like published ones instead")
     parser.add_argument("--format", choices=importers.FORMATS, default="csv", help="the trace's format (csv)")
+    parser.add_argument("--cluster", metavar="VC",
+                        help="philly-summary: simulate this virtual cluster's jobs only")
     parser.add_argument("--tier-shares", type=_shares, default=importers.DEFAULT_SHARES,
                         metavar="premium=P,standard=S,basic=B",
                         help="tiers drawn for a trace without them "
@@ -600,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
         parser.error("--nodes and --gpus-per-node must be at least 1")
+    if args.cluster is not None and args.synthetic is not None:
+        parser.error("--cluster chooses a virtual cluster of a philly-summary trace, not of --synthetic")
     if args.synthetic is not None and args.synthetic < 1:
         parser.error("--synthetic needs at least 1 job")
     if not (0 <= args.elastic_share <= 1):
@@ -625,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, UnicodeDecodeError) as exc:
                 raise trace.TraceError(f"cannot read the trace {args.trace}: "
                                        f"{getattr(exc, 'strerror', None) or exc}") from None
-            jobs = importers.load(text, args.format, str(args.trace), args.tier_shares, args.elastic_share)
+            jobs = importers.load(text, args.format, str(args.trace), args.tier_shares, args.elastic_share,
+                                  args.cluster)
             name = f"{args.trace.name} ({len(jobs)} jobs)"
         if not jobs:
             raise trace.TraceError(f"{args.trace}: the trace holds no job to simulate")

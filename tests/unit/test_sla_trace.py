@@ -74,6 +74,34 @@ def test_a_philly_job_log_becomes_jobs_with_their_run_time_and_last_size() -> No
     assert importers.philly((DATA / "philly_job_log_sample.json").read_text()) == jobs  # the same draw
 
 
+PHILLY_SUMMARY = """timestamp,duration,num_gpus,gpu_time,cluster
+2017-10-09 07:01:55,66.0,1,66.0,11cb48
+2017-10-09 06:13:03,2951.0,8,23608.0,6214e9
+2017-10-09 06:13:36,0.0,1,0.0,6214e9
+2017-10-09 06:16:03,2766.0,0,0.0,6214e9
+2017-10-09 06:14:53,2775.0,2,5550.0,6214e9
+"""
+
+
+def test_a_philly_job_summary_becomes_jobs_named_by_cluster_and_file_line() -> None:
+    jobs = importers.load(PHILLY_SUMMARY, "philly-summary", "p.csv")
+    assert [(j.job_id, j.submit, j.duration, j.gpus) for j in jobs] == [
+        ("6214e9-3", 0.0, 2951.0, 8), ("6214e9-6", 110.0, 2775.0, 2), ("11cb48-2", 2932.0, 66.0, 1)]
+    one = importers.load(PHILLY_SUMMARY, "philly-summary", "p.csv", cluster="11cb48")
+    assert [(j.job_id, j.submit) for j in one] == [("11cb48-2", 0.0)]
+    with pytest.raises(TraceError, match="p.csv: no job of virtual cluster 'x' ran"):
+        importers.load(PHILLY_SUMMARY, "philly-summary", "p.csv", cluster="x")
+    with pytest.raises(TraceError, match="in philly-summary traces only"):
+        importers.load(GOOD, "csv", "t.csv", cluster="x")
+
+
+def test_the_published_philly_month_in_the_repository_imports() -> None:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "philly-6c71a0-2017-10.csv"
+    jobs = importers.load(path.read_text(), "philly-summary", str(path))
+    assert len(jobs) == 7846 and {j.job_id.split("-")[0] for j in jobs} == {"6c71a0"}
+    assert max(j.gpus for j in jobs) == 8
+
+
 def test_a_helios_cluster_log_becomes_jobs_and_cpu_only_jobs_are_left_out() -> None:
     jobs = importers.helios((DATA / "helios_cluster_log_sample.csv").read_text(), "helios")
     assert [(j.job_id, j.submit, j.duration, j.gpus) for j in jobs] == [
@@ -91,6 +119,10 @@ def test_a_helios_cluster_log_becomes_jobs_and_cpu_only_jobs_are_left_out() -> N
          "detail": [{"ip": "m1", "gpus": ["gpu0"]}]}]}]), "job x: not a time: 'yesterday'"),
     ("helios", "job_id,gpu_num\nh1,1\n", "not a Helios cluster_log"),
     ("helios", "job_id,gpu_num,submit_time,duration\nh1,two,2020-04-01 00:00:00,60\n", "t:2: gpu_num is not"),
+    ("philly-summary", "timestamp,num_gpus\n", "t:1: not a Philly job summary"),
+    ("philly-summary", "timestamp,duration,num_gpus\n2017-10-09 07:01:55,long,1\n",
+     "t:2: num_gpus and duration must be numbers"),
+    ("philly-summary", "timestamp,duration,num_gpus\nmonday,60,1\n", "t:2: not a time: 'monday'"),
     ("xml", "", "unknown trace format 'xml'"),
 ])
 def test_a_bad_published_trace_is_refused_saying_where(fmt: str, text: str, message: str) -> None:
