@@ -356,7 +356,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stopping.set())
     try:
         while not stopping.is_set():
-            leading = lease.hold()
+            try:
+                leading = lease.hold()
+            except redis.RedisError as exc:
+                # Redis is away (restarting, unreachable): nobody can decide; try again next period
+                LOG.warning("cannot reach Redis for the leader lease: %s", exc)
+                if args.once:
+                    print(f"singularity-controller: cannot reach Redis: {exc}", file=sys.stderr)
+                    return 2
+                leading = False
+                if metrics is not None:
+                    metrics.leader.set(0)
+                stopping.wait(args.period)
+                continue
             if metrics is not None:
                 metrics.leader.set(1 if leading else 0)
             if leading:

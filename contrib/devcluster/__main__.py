@@ -53,7 +53,7 @@ def devcluster_status(as_json: bool) -> None:
     else:
         for name, info in result["daemons"].items():
             state = f"running (pid {info['pid']})" if info["running"] else "stopped"
-            click.echo(f"{name:<12} {state}")
+            click.echo(f"{name:<14} {state}")
         for name, node in result["nodes"].items():
             click.echo(f"node {name:<7} {node['state']}  {node['gres']}"
                        + (f"  reason: {node['reason']}" if node.get("reason") else ""))

@@ -65,7 +65,8 @@ def test_up_after_a_daemon_died_restarts_only_that_daemon(layout):
 
 def test_status_lists_every_daemon_node_and_tier_partition():
     status = _status()
-    assert set(status["daemons"]) == {"munged", "redis", "slurmctld", "slurmd n1", "slurmd n2", "slurmd n3"}
+    assert set(status["daemons"]) == {"munged", "redis", "slurmctld", "slurmd n1", "slurmd n2", "slurmd n3",
+                                      "sla-controller"}
     assert set(status["partitions"]) == {"premium", "standard", "basic"}
     for part in status["partitions"].values():
         assert part["preempt_mode"] == "REQUEUE"

@@ -246,6 +246,7 @@ def test_a_distributed_job_outlasts_killed_proxies_redis_gone_at_its_rendezvous_
                   "requeued for a failed rendezvous", timeout=240)
     finally:
         daemons.start(table["redis"])
+    assert table["sla-controller"].pid() is not None, "the SLA controller did not outlive Redis's restart"
     jobs.wait_state(urgent, "COMPLETED", timeout=240)
     # the restores whose rendezvous failed got no further than the preemption's checkpoint
     wait_for_steps(jobs, job_id, 2, steps + 4)

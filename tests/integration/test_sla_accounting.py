@@ -167,7 +167,22 @@ def logged(job_id: int) -> list[dict]:
 @pytest.fixture
 def controller(tmp_path):
     """The SLA controller as a site runs it (acting, serving metrics), and a Prometheus server
-    scraping it every second; both ended at the test's end, the controller's log shown on failure."""
+    scraping it every second; both ended at the test's end, the controller's log shown on failure.
+    The dev cluster's own controller, which only advises, is paused meanwhile (it would hold the
+    lease)."""
+    from singularity_slurm.devcluster import daemons
+    from singularity_slurm.devcluster.cluster import controller_daemon, default_layout
+
+    own = controller_daemon(default_layout())
+    assert own.pid() is not None, "the dev cluster runs no SLA controller"
+    daemons.stop(own)
+    try:
+        yield from _controller(tmp_path)
+    finally:
+        daemons.start(own)
+
+
+def _controller(tmp_path):
     metrics_port, prometheus_port = free_port(), free_port()
     log, prom_log = open(tmp_path / "controller.log", "w"), open(tmp_path / "prometheus.log", "w")
     ctl = subprocess.Popen([CONTROLLER, "--period", "2", "--window", str(CONTROLLER_WINDOW_S),
