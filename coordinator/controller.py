@@ -364,7 +364,6 @@ def main(argv: list[str] | None = None) -> int:
                 if args.once:
                     print(f"singularity-controller: cannot reach Redis: {exc}", file=sys.stderr)
                     return 2
-                leading = False
                 if metrics is not None:
                     metrics.leader.set(0)
                 stopping.wait(args.period)
@@ -382,8 +381,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps(done, indent=2))
                     return 0
             elif args.once:
-                print(f"singularity-controller: {lease.holder()} holds the lease; not deciding",
-                      file=sys.stderr)
+                try:
+                    holder = lease.holder()
+                except redis.RedisError:
+                    holder = "another controller"
+                print(f"singularity-controller: {holder} holds the lease; not deciding", file=sys.stderr)
                 return 1
             stopping.wait(args.period)
     finally:

@@ -121,8 +121,9 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
       when criu freezes it, `frozen_seconds` before its dump ended (`dump_seconds` after the
       checkpoint began, `seconds` before `time`), or where criu's figure is missing when the
       checkpoint began; a distributed job's ranks stop earlier, when they began to reach their cut
-      (`cut_seconds` before the checkpoint began: they wait there for every rank); a stopping one
-      ends the node's running there, another only until its dump ended;
+      (`cut_seconds` before the checkpoint began), and wait there until every rank's image is
+      committed (`time`); a stopping one ends the node's running there, another only until its
+      dump ended (a distributed job's: until its commit);
     - `node_start`, `node_end`: the node's running ends (a new allocation, the job's end there); in a
       job with no `running` event at all (its script never ran `singularityctl run`), a node's
       start begins its running, on its `gpus` (or 1).
@@ -159,7 +160,8 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
             freeze = max(dumped - float(frozen), began) if isinstance(frozen, int | float) and frozen >= 0 \
                 else began
             if event.get("cut_seconds") is not None:
-                freeze = began - _seconds(event, "cut_seconds")
+                # the ranks park at the cut, and resume once every rank's image is committed
+                freeze, dumped = began - _seconds(event, "cut_seconds"), max(at, dumped)
             stop = event.get("stop")
             if stop is None:
                 stop = event.get("reason") in STOPPING_REASONS

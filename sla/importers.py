@@ -7,8 +7,9 @@
 - `philly-summary`: Philly's jobs one CSV line each (columns `timestamp`, the submission;
   `duration`, the run time in seconds; `num_gpus`; optionally `cluster`, the virtual cluster), as
   the Pollux artifact publishes the Philly trace (petuum/adaptdl, `simulator/traces/philly.csv`).
-  Lines have no job id: a job is named by its virtual cluster and its line in the file. Jobs with
-  no GPU, or that never ran, are left out. `--cluster` keeps one virtual cluster's jobs.
+  Lines have no job id: a job is named by its virtual cluster, submission, run time and size (and
+  a count among lines that say the same). Jobs with no GPU, or that never ran, are left out.
+  `--cluster` keeps one virtual cluster's jobs.
 - `helios`: SenseTime Helios's `cluster_log.csv` (S-Lab-System-Group/HeliosData; columns `job_id`,
   `gpu_num`, `submit_time`, and `duration` or `start_time`/`end_time`). Jobs with no GPU, or that
   never ran, are left out.
@@ -130,21 +131,26 @@ def philly_summary(text: str, name: str = "<philly summary>",
         raise TraceError(f"{name}:1: not a Philly job summary: it needs timestamp, duration and num_gpus; "
                          f"missing {', '.join(missing)}")
     raw = []
+    seen: dict[str, int] = {}
     for row in reader:
         where = f"{name}:{reader.line_num}"
         if cluster is not None and (row.get("cluster") or "").strip() != cluster:
             continue
         try:
             gpus, duration = int(float(row["num_gpus"] or 0)), float(row["duration"] or 0)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise TraceError(f"{where}: num_gpus and duration must be numbers, not {row['num_gpus']!r} and "
                              f"{row['duration']!r}") from None
         if not math.isfinite(duration):
             raise TraceError(f"{where}: duration is not finite: {row['duration']!r}")
         if gpus <= 0 or duration <= 0:
             continue
-        job_id = f"{(row.get('cluster') or 'philly').strip()}-{reader.line_num}"
-        raw.append((job_id, _time(row["timestamp"], where), duration, gpus))
+        submitted = _time(row["timestamp"], where)
+        # named by what the line says, so that a file holding some of the lines names (and draws
+        # tiers for) each job as the whole file does
+        base = f"{(row.get('cluster') or 'philly').strip()}-{int(submitted)}-{int(duration)}-{gpus}"
+        seen[base] = seen.get(base, -1) + 1
+        raw.append((f"{base}-{seen[base]}" if seen[base] else base, submitted, duration, gpus))
     if cluster is not None and not raw:
         raise TraceError(f"{name}: no job of virtual cluster {cluster!r} ran")
     return _rebase(raw, shares, elastic_share)

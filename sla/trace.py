@@ -132,8 +132,13 @@ def write(jobs: Iterable[TraceJob]) -> str:
     costs = any(j.checkpoint_s is not None or j.restore_s is not None for j in jobs)
     writer.writerow([*REQUIRED, "min_gpus", *(("checkpoint_s", "restore_s") if costs else ())])
     for j in jobs:
-        row = [j.job_id, f"{j.submit:g}", f"{j.duration:g}", j.gpus, j.tier, j.min_gpus]
+        row = [j.job_id, _seconds(j.submit), _seconds(j.duration), j.gpus, j.tier, j.min_gpus]
         if costs:
-            row += ["" if v is None else f"{v:g}" for v in (j.checkpoint_s, j.restore_s)]
+            row += ["" if v is None else _seconds(v) for v in (j.checkpoint_s, j.restore_s)]
         writer.writerow(row)
     return out.getvalue()
+
+
+def _seconds(value: float) -> str:
+    """A number of seconds, exactly (what `float` reads back), without a trailing `.0`."""
+    return str(int(value)) if value == int(value) else repr(float(value))

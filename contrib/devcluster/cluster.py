@@ -16,7 +16,7 @@ import redis
 from singularity_slurm import config as config_mod
 from singularity_slurm.checkpoint.criu import install_wrapper
 from singularity_slurm.errors import DevClusterError, SingularityError
-from singularity_slurm.rootexec import service_env
+from singularity_slurm.rootexec import UnsafeProgram, service_env, system_program
 from singularity_slurm.slurm_plugin import policy
 from singularity_slurm.slurmcli import SlurmClient, parse_version
 
@@ -57,19 +57,23 @@ CONTROLLER_PERIOD_S = 10
 
 
 def controller_daemon(layout: Layout) -> daemons.Daemon:
-    """The SLA controller, advising only (it logs what it would do, `singularityctl sla --actions`,
-    and acts on nothing: the tests' jobs keep the sizes they ask for), with a clean environment;
-    start-stop-daemon puts it in the background and writes its pid file. `--metrics-port` is left
-    to the site: the tests serve the metrics of a controller of their own."""
+    """The SLA controller, advising: it resizes no job (the tests' jobs keep the sizes they ask for)
+    and logs what it would do (`singularityctl sla --actions`), keeping its protected set as its own
+    bookkeeping. A clean environment, /; start-stop-daemon puts it in the background and writes its
+    pid file. `--metrics-port` is left to the site: the tests serve the metrics of a controller of
+    their own."""
     pidfile, log = layout.run_dir / "sla-controller.pid", layout.log_dir / "sla-controller.log"
+    script = str(layout.venv_bin / "singularity-controller")
+    try:
+        start_stop = system_program("start-stop-daemon")
+    except UnsafeProgram:
+        start_stop = "/usr/sbin/start-stop-daemon"  # Debian's dpkg has it; starting says if not
     return daemons.Daemon(
         "sla-controller", "singularity-con",  # a Python script: its command name, cut to 15 characters
         ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in service_env(os.environ).items()),
-         "start-stop-daemon", "--start", "--background", "--make-pidfile", "--pidfile", str(pidfile),
-         "--output", str(log),
-         "--exec", str(layout.venv_bin / "singularity-controller"), "--",
-         "--period", str(CONTROLLER_PERIOD_S)],
-        pidfile, log)
+         start_stop, "--start", "--background", "--make-pidfile", "--pidfile", str(pidfile),
+         "--output", str(log), "--chdir", "/", "--exec", script, "--", "--period", str(CONTROLLER_PERIOD_S)],
+        pidfile, log, script=script)
 
 
 def _slurm_daemons(table: list[daemons.Daemon]) -> list[daemons.Daemon]:

@@ -24,13 +24,28 @@ class Daemon:
     argv: Sequence[str]
     pidfile: Path
     log: Path | None = None
+    script: str | None = None  # a root daemon run as a script: the path its interpreter runs
 
     def pid(self) -> int | None:
         try:
             pid = int(self.pidfile.read_text().split()[0])
         except (FileNotFoundError, ValueError, IndexError):
             return None
-        return pid if runs_program(pid, self.program) else None
+        return pid if self.runs_as(pid) else None
+
+    def runs_as(self, pid: int) -> bool:
+        """Whether `pid` is this daemon: its program, and for a script, root's process whose
+        interpreter runs exactly that script (a command name alone anyone can take)."""
+        if not runs_program(pid, self.program):
+            return False
+        if self.script is None:
+            return True
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            owner = os.stat(f"/proc/{pid}").st_uid
+        except OSError:
+            return False
+        return owner == 0 and len(argv) > 1 and argv[1] == self.script.encode()
 
 
 def runs_program(pid: int, program: str) -> bool:
@@ -73,7 +88,7 @@ def stop(daemon: Daemon, timeout: float = 20.0) -> bool:
         return False
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while runs_program(pid, daemon.program):
+    while daemon.runs_as(pid):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5

@@ -38,6 +38,9 @@ CRIU_PACKAGES = [
     "libedit2", "libtinfo6", "libnl-3-200", "libprotobuf-c1", "libuuid1",
 ]
 MIN_CRIU = (4, 0)
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
+UNSTARTED_SERVICES = {"prometheus"}
+"""Packages whose own service stays off at boot too (the tests start a Prometheus of their own)."""
 
 Say = Callable[[str], None]
 
@@ -88,7 +91,20 @@ def ensure_packages(names: list[str], say: Say) -> None:
     say(f"installing Debian packages: {' '.join(missing)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     run(["apt-get", "update", "-qq"], env=env)
-    run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], env=env)
+    # the dev cluster starts its own daemons: the packages' services (a Prometheus listening on
+    # every address, a second Redis) are not started, nor left to start at boot
+    guard = POLICY_RC_D if not POLICY_RC_D.exists() else None
+    if guard is not None:
+        guard.write_text("#!/bin/sh\n# the dev cluster is installing packages: start no service\nexit 101\n")
+        guard.chmod(0o755)
+    try:
+        run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], env=env)
+    finally:
+        if guard is not None:
+            guard.unlink(missing_ok=True)
+    if Path("/run/systemd/system").is_dir():
+        for unit in (f"{name}.service" for name in missing if name in UNSTARTED_SERVICES):
+            run(["systemctl", "disable", unit], check=False)
 
 
 def parse_version_tuple(text: str) -> tuple[int, ...] | None:

@@ -246,11 +246,19 @@ def test_a_distributed_job_outlasts_killed_proxies_redis_gone_at_its_rendezvous_
                   "requeued for a failed rendezvous", timeout=240)
     finally:
         daemons.start(table["redis"])
-    assert table["sla-controller"].pid() is not None, "the SLA controller did not outlive Redis's restart"
     jobs.wait_state(urgent, "COMPLETED", timeout=240)
     # the restores whose rendezvous failed got no further than the preemption's checkpoint
     wait_for_steps(jobs, job_id, 2, steps + 4)
     jobs.wait_state(job_id, "RUNNING")
+    # the dev cluster's SLA controller outlived Redis's restart and holds the lease again
+    from singularity_slurm.coordinator import keys
+    from singularity_slurm.coordinator.registry import connect
+
+    client, deadline = connect(config.redis), time.monotonic() + 60
+    while client.get(keys.sla_leader()) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert table["sla-controller"].pid() is not None, "the SLA controller did not outlive Redis's restart"
+    assert client.get(keys.sla_leader()) is not None, "the SLA controller never took its lease again"
 
     # slurmctld stops while the job's node agent requeues it after a migration's checkpoint: the
     # launcher tries again until slurmctld is back, and the job moves on.

@@ -165,7 +165,7 @@ def logged(job_id: int) -> list[dict]:
 
 
 @pytest.fixture
-def controller(tmp_path):
+def controller(tmp_path, registry):
     """The SLA controller as a site runs it (acting, serving metrics), and a Prometheus server
     scraping it every second; both ended at the test's end, the controller's log shown on failure.
     The dev cluster's own controller, which only advises, is paused meanwhile (it would hold the
@@ -176,6 +176,7 @@ def controller(tmp_path):
     own = controller_daemon(default_layout())
     assert own.pid() is not None, "the dev cluster runs no SLA controller"
     daemons.stop(own)
+    assert registry.redis.get(keys.sla_leader()) is None, "the paused controller kept its lease"
     try:
         yield from _controller(tmp_path)
     finally:
@@ -345,6 +346,9 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
 
 # --- the same scenario in the simulator -----------------------------------------------------------
 
+FIRST = {("start", "B"), ("start", "S")}
+"""The two jobs' first starts, before all of the scenario."""
+
 SCENARIO = [{("preempt", "S"), ("preempt", "B")}, {("start", "P1")}, {("end", "P1")},
             {("start", "P2"), ("restart", "S"), ("restart", "B"), ("protect", "S")}, {("end", "P2")},
             {("grow", "B")}]
@@ -370,8 +374,9 @@ def _starts(record: dict) -> dict[int, tuple[float, int]]:
     starts: dict[int, tuple[float, int]] = {}
     for e in record["events"]:
         if e["event"] == "node_start":
-            at, devices = starts.get(e["restart_count"], (e["time"], 0))
-            starts[e["restart_count"]] = (min(at, e["time"]), devices + e["gpus"])
+            count = e.get("restart_count", 0)
+            at, devices = starts.get(count, (e["time"], 0))
+            starts[count] = (min(at, e["time"]), devices + (e.get("gpus") or 0))
     return starts
 
 
@@ -394,19 +399,19 @@ def cluster_timeline(records: dict[str, dict], standard_actions: list[dict],
 
 
 def in_order(timeline: list[tuple[float, str, str, int]]) -> list[str]:
-    """What in `timeline` breaks SCENARIO's order: an event missing, or one of a later set before one
-    of an earlier set. The first starts of the two jobs come before all; events after the grow, and
-    the premium jobs' own protection, are not the scenario's."""
+    """What in `timeline` breaks SCENARIO's order: an event missing, one of a later set before one of
+    an earlier set, or one that is not the scenario's before the grow. The first starts of the two
+    jobs come before all; jobs' ends, and the premium jobs' own protection, are not looked at."""
     when: dict[tuple[str, str], float] = {}
     for at, what, name, _ in timeline:
         when.setdefault((what, name), at)
-    wrong = [f"{event} never happened" for step in SCENARIO for event in step if event not in when]
-    for earlier, later in zip(SCENARIO, SCENARIO[1:], strict=False):
+    wrong = [f"{event} never happened" for step in [*SCENARIO, FIRST] for event in step if event not in when]
+    for earlier, later in zip([FIRST, *SCENARIO], SCENARIO, strict=False):
         for a in earlier:
             for b in later:
                 if a in when and b in when and when[a] > when[b]:
                     wrong.append(f"{b} at {when[b]:.1f} before {a} at {when[a]:.1f}")
-    scenario = set().union(*SCENARIO)
+    scenario = set().union(FIRST, *SCENARIO)
     grow = when.get(("grow", "B"), float("inf"))
     extra = [(what, name) for at, what, name, _ in timeline if at <= grow and (what, name) not in scenario
              and what not in ("start", "end") and not (what == "protect" and name.startswith("P"))]

@@ -131,12 +131,13 @@ def test_criu_s_own_frozen_time_places_the_stop_where_the_tree_was_frozen() -> N
         Segment(0, 42, 1)]
 
 
-def test_a_distributed_job_stops_when_its_ranks_began_to_reach_their_cut() -> None:
+def test_a_distributed_job_stops_from_its_cut_until_its_images_are_committed() -> None:
     # its checkpoint began at 40, after 2.5 s of bringing the ranks to the cut, where they waited
+    # until the image was committed at 50
     periodic = ev("checkpoint", 50, reason="periodic", seconds=10, stop=False, dump_seconds=3,
                   frozen_seconds=1, cut_seconds=2.5)
     assert segments_from_events([ev("running", 0, devices=2), periodic, ev("node_end", 100)], 2) == [
-        Segment(0, 37.5, 2), Segment(43, 100, 2)]
+        Segment(0, 37.5, 2), Segment(50, 100, 2)]
     preempt = ev("checkpoint", 50, reason="preempt", seconds=10, stop=True, dump_seconds=3, frozen_seconds=1,
                  cut_seconds=2.5)
     assert segments_from_events([ev("running", 0, devices=2), preempt, ev("node_end", 51)], 2) == [

@@ -83,12 +83,18 @@ PHILLY_SUMMARY = """timestamp,duration,num_gpus,gpu_time,cluster
 """
 
 
-def test_a_philly_job_summary_becomes_jobs_named_by_cluster_and_file_line() -> None:
+def test_a_philly_job_summary_becomes_jobs_named_by_what_their_lines_say() -> None:
     jobs = importers.load(PHILLY_SUMMARY, "philly-summary", "p.csv")
     assert [(j.job_id, j.submit, j.duration, j.gpus) for j in jobs] == [
-        ("6214e9-3", 0.0, 2951.0, 8), ("6214e9-6", 110.0, 2775.0, 2), ("11cb48-2", 2932.0, 66.0, 1)]
+        ("6214e9-1507529583-2951-8", 0.0, 2951.0, 8), ("6214e9-1507529693-2775-2", 110.0, 2775.0, 2),
+        ("11cb48-1507532515-66-1", 2932.0, 66.0, 1)]
     one = importers.load(PHILLY_SUMMARY, "philly-summary", "p.csv", cluster="11cb48")
-    assert [(j.job_id, j.submit) for j in one] == [("11cb48-2", 0.0)]
+    assert [(j.job_id, j.submit) for j in one] == [("11cb48-1507532515-66-1", 0.0)]
+    # a file of some of the lines names and draws each job as the whole file does
+    lines = PHILLY_SUMMARY.splitlines(keepends=True)
+    some = importers.load(lines[0] + lines[5] + lines[5], "philly-summary", "p.csv")
+    assert [j.job_id for j in some] == ["6214e9-1507529693-2775-2", "6214e9-1507529693-2775-2-1"]
+    assert (some[0].tier, some[0].min_gpus) == (jobs[1].tier, jobs[1].min_gpus)
     with pytest.raises(TraceError, match="p.csv: no job of virtual cluster 'x' ran"):
         importers.load(PHILLY_SUMMARY, "philly-summary", "p.csv", cluster="x")
     with pytest.raises(TraceError, match="in philly-summary traces only"):
@@ -123,6 +129,8 @@ def test_a_helios_cluster_log_becomes_jobs_and_cpu_only_jobs_are_left_out() -> N
     ("philly-summary", "timestamp,duration,num_gpus\n2017-10-09 07:01:55,long,1\n",
      "t:2: num_gpus and duration must be numbers"),
     ("philly-summary", "timestamp,duration,num_gpus\nmonday,60,1\n", "t:2: not a time: 'monday'"),
+    ("philly-summary", "timestamp,duration,num_gpus\n2017-10-09 07:01:55,60,inf\n",
+     "t:2: num_gpus and duration must be numbers"),
     ("xml", "", "unknown trace format 'xml'"),
 ])
 def test_a_bad_published_trace_is_refused_saying_where(fmt: str, text: str, message: str) -> None:
