@@ -37,15 +37,18 @@ POLL_S = 0.002
 
 
 def sync_point(folder: Path, name: str, rank: int, timeout: float = GO_TIMEOUT_S) -> None:
+    """Every rank at rest while the benchmark reads the proxies: rank 0 waits for its go, the others
+    in the barrier it then joins (waiting outside a collective, they would keep a shared device's
+    turn from rank 0)."""
     dist.barrier()
     if rank == 0:
         (folder / f"{name}.ready").touch()
-    go = folder / f"{name}.go"
-    deadline = time.monotonic() + timeout
-    while not go.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {go} within {timeout:.0f}s")
-        time.sleep(POLL_S)
+        go = folder / f"{name}.go"
+        deadline = time.monotonic() + timeout
+        while not go.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {go} within {timeout:.0f}s")
+            time.sleep(POLL_S)
     dist.barrier()
 
 

@@ -42,68 +42,99 @@ import proxy_vs_gloo as base  # noqa: E402  (the benchmark this one builds on, b
 REPO = base.REPO
 
 
+CONCURRENT, TURNS, ALONE = "concurrent", "turns", "-"
+"""proxy.time_slicing of a run; ALONE where every device has one rank (nothing to slice)."""
+
+
 class PinnedRunner(base.Runner):
-    """proxy_vs_gloo's runner, with every rank pinned to the CPU that stands for its device."""
+    """proxy_vs_gloo's runner, with every rank pinned to the CPU that stands for its device, and the
+    proxies told how ranks sharing a device run (`--time-slicing`)."""
+
+    def __init__(self, settings: base.Settings, folder: Path, say, slicing: str):
+        super().__init__(settings, folder, say)
+        self.slicing = slicing
 
     def spawn(self, argv: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen:
         if log.name.startswith("rank-"):
             rank = int(log.stem.removeprefix("rank-"))
             device = int(base.placement(self.s.world_size, self.s.proxies)[rank].removeprefix("p"))
             argv = ["taskset", "--cpu-list", str(device), *argv]
+        elif argv and argv[0] == self.s.proxy_bin and self.slicing != ALONE:
+            argv = [*argv, "--time-slicing", self.slicing]
         return super().spawn(argv, env, log)
 
 
-def plan(devices: Sequence[int], rounds: int) -> list[tuple[int, int]]:
-    """(round, device count) in run order: every count once per round, the order rotated each round."""
+def plan(devices: Sequence[int], rounds: int, world_size: int = 0,
+         slicings: Sequence[str] = (CONCURRENT,)) -> list[tuple[int, int, str]]:
+    """(round, device count, slicing) in run order: every count once per round in each slicing mode
+    (once where each device has one rank), the order rotated each round, the modes of one count back
+    to back and alternating which first."""
     runs = []
     for rnd in range(rounds):
         shift = rnd % len(devices)
-        runs += [(rnd + 1, m) for m in [*devices[shift:], *devices[:shift]]]
+        for m in [*devices[shift:], *devices[:shift]]:
+            modes = list(slicings) if world_size > m else [ALONE]
+            if rnd % 2:
+                modes.reverse()
+            runs += [(rnd + 1, m, mode) for mode in modes]
     return runs
 
 
 @dataclass(frozen=True)
 class Row:
     devices: int
+    slicing: str  # concurrent | turns | - (one rank per device)
     ranks_per_device: float
     step_ms: float | None  # median over rounds
     round_steps_ms: list[float]
-    slowdown: float | None  # step_ms / step_ms on the most devices measured (M_max)
+    slowdown: float | None  # step_ms / step_ms on the most devices measured (M_max), same slicing there
     ideal: float  # M_max / M
     overhead: float | None  # slowdown / ideal
+    vs_concurrent: float | None  # turns: step_ms / the concurrent run's on as many devices
     losses: list[float]  # distinct final losses on rank 0: one value when every size computed the same
 
 
-def summarize(runs: Sequence[tuple[int, base.Run]], world_size: int) -> list[Row]:
-    """Per device count; the baseline is the run on the most devices (N itself where measured)."""
-    counts = sorted({m for m, _ in runs}, reverse=True)
-    medians = {m: statistics.median([r.step_ms for n, r in runs if n == m]) for m in counts}
-    most = counts[0]
+def summarize(runs: Sequence[tuple[int, str, base.Run]], world_size: int) -> list[Row]:
+    """Per device count and slicing mode. The baseline is the run on the most devices (N itself where
+    measured), in the same slicing mode where the most devices still have several ranks each."""
+    groups = sorted({(m, mode) for m, mode, _ in runs}, key=lambda g: (-g[0], g[1]))
+    medians = {g: statistics.median([r.step_ms for m, mode, r in runs if (m, mode) == g]) for g in groups}
+    most = groups[0][0]
+
+    def baseline(mode: str) -> float | None:
+        return medians.get((most, mode), medians.get((most, ALONE)))
+
     rows = []
-    for m in counts:
-        slowdown = medians[m] / medians[most] if medians[most] else None
+    for m, mode in groups:
+        base_ms, step = baseline(mode), medians[(m, mode)]
+        slowdown = step / base_ms if base_ms else None
         ideal = most / m
-        rows.append(Row(m, round(world_size / m, 2), round(medians[m], 3),
-                        [round(r.step_ms, 3) for n, r in runs if n == m],
+        concurrent = medians.get((m, CONCURRENT))
+        vs = step / concurrent if mode == TURNS and concurrent else None
+        rows.append(Row(m, mode, round(world_size / m, 2), round(step, 3),
+                        [round(r.step_ms, 3) for n, md, r in runs if (n, md) == (m, mode)],
                         round(slowdown, 3) if slowdown else None, round(ideal, 3),
                         round(slowdown / ideal, 3) if slowdown else None,
-                        sorted({r.loss for n, r in runs if n == m})))
+                        round(vs, 3) if vs else None,
+                        sorted({r.loss for n, md, r in runs if (n, md) == (m, mode)})))
     return rows
 
 
 def format_report(meta: Mapping[str, object], rows: Sequence[Row]) -> str:
     lines = ["# Elastic sizes: one job's N ranks on M devices", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
-    lines += ["", "| devices | ranks per device | step (ms) | slowdown vs most devices | ideal | "
-              "time-slicing overhead |", "|---|---|---|---|---|---|"]
+    lines += ["", "| devices | ranks per device | ranks sharing a device | step (ms) | slowdown vs most "
+              "devices | ideal | time-slicing overhead | turns vs concurrent |", "|---" * 8 + "|"]
     for row in rows:
-        lines.append(f"| {row.devices} | {row.ranks_per_device:g} | {base._f(row.step_ms)} | "
-                     f"{base._f(row.slowdown)}x | {row.ideal:.2f}x | {base._f(row.overhead)} |")
+        lines.append(f"| {row.devices} | {row.ranks_per_device:g} | {row.slicing} | {base._f(row.step_ms)} | "
+                     f"{base._f(row.slowdown)}x | {row.ideal:.2f}x | {base._f(row.overhead)} | "
+                     f"{base._f(row.vs_concurrent) + 'x' if row.vs_concurrent else ''} |")
     losses = sorted({loss for row in rows for loss in row.losses})
     lines += ["", "Final loss on rank 0 at every size: " + (
         f"{losses[0]:.7g} (identical)" if len(losses) == 1 else " / ".join(f"{v:.7g}" for v in losses)),
         "", "Per-round step times (ms): " + "; ".join(
-            f"{row.devices} device{'' if row.devices == 1 else 's'}: "
+            f"{row.devices} device{'' if row.devices == 1 else 's'}"
+            f"{'' if row.slicing == ALONE else ' ' + row.slicing}: "
             f"{', '.join(f'{v:.2f}' for v in row.round_steps_ms)}" for row in rows)]
     return "\n".join(lines) + "\n"
 
@@ -119,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, default=int(env("world_size", 4)), help="ranks (N)")
     parser.add_argument("--devices", default=env("devices", "4,2,1"),
                         help="device counts (M) to run the N ranks on, comma-separated; each divides N")
+    parser.add_argument("--slicing", default=env("slicing", f"{CONCURRENT},{TURNS}"),
+                        help="how ranks sharing a device run (proxy.time_slicing), comma-separated: each "
+                             "is measured on every count with several ranks per device")
     parser.add_argument("--hidden", type=int, default=int(env("hidden", 256)), help="MLP width")
     parser.add_argument("--layers", type=int, default=int(env("layers", 3)), help="hidden Linear layers")
     parser.add_argument("--batch", type=int, default=int(env("batch", 64)), help="samples per rank and step")
@@ -149,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         if not devices or any(d < 1 or args.world_size % d for d in devices):
             raise base.BenchmarkError(f"--devices {args.devices}: each count must divide --world-size "
                                       f"{args.world_size}")
+        slicings = list(dict.fromkeys(m.strip() for m in args.slicing.split(",") if m.strip()))
+        if not slicings or any(m not in (CONCURRENT, TURNS) for m in slicings):
+            raise base.BenchmarkError(f"--slicing {args.slicing!r}: give {CONCURRENT}, {TURNS} or both")
         cpus = len(os.sched_getaffinity(0))
         if max(devices) > cpus:
             raise base.BenchmarkError(f"{max(devices)} devices need {max(devices)} CPUs to pin their ranks "
@@ -174,24 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="elastic_sizes-"))
     meta = {"date": stamp, "host": socket.gethostname(), "cpus": cpus, "commit": base._git_commit(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "world size": args.world_size, "devices": ",".join(map(str, devices)), "hidden": args.hidden,
+            "world size": args.world_size, "devices": ",".join(map(str, devices)),
+            "slicing": ",".join(slicings), "hidden": args.hidden,
             "layers": args.layers, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
             "rounds": args.rounds, "load average before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     signal.signal(signal.SIGTERM, base._interrupted)
-    runs: list[tuple[int, base.Run]] = []
+    runs: list[tuple[int, str, base.Run]] = []
     failed = False
     started = time.monotonic()
     runners: list[base.Runner] = []
     try:
-        planned = plan(devices, args.rounds)
-        for i, (rnd, count) in enumerate(planned, 1):
-            runner = PinnedRunner(dataclasses.replace(settings, proxies=count), workdir / f"m{count}",
-                                  base._say)
+        planned = plan(devices, args.rounds, args.world_size, slicings)
+        for i, (rnd, count, mode) in enumerate(planned, 1):
+            runner = PinnedRunner(dataclasses.replace(settings, proxies=count),
+                                  workdir / f"m{count}-{mode.strip('-') or 'alone'}", base._say, mode)
             runners.append(runner)
             run = runner.run(rnd, args.hidden, base.PROXY, 1)
-            runs.append((count, run))
-            base._say(f"run {i}/{len(planned)}: round {rnd}, {args.world_size} ranks on {count} device(s): "
-                      f"step {run.step_ms:.2f} ms, {run.wall_s:.1f}s")
+            runs.append((count, mode, run))
+            base._say(f"run {i}/{len(planned)}: round {rnd}, {args.world_size} ranks on {count} device(s)"
+                      f"{'' if mode == ALONE else ', ' + mode}: step {run.step_ms:.2f} ms, {run.wall_s:.1f}s")
     except KeyboardInterrupt:
         base._say("interrupted")
         return 130
@@ -208,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(runs, args.world_size)
     report = format_report(meta, rows)
     data = {"meta": {k: str(v) for k, v in meta.items()}, "sizes": [asdict(r) for r in rows],
-            "runs": [{"devices": m, **asdict(r)} for m, r in runs]}
+            "runs": [{"devices": m, "slicing": mode, **asdict(r)} for m, mode, r in runs]}
     print(json.dumps(data, indent=2) if args.as_json else report)
     if not args.no_save:
         args.results_dir.mkdir(parents=True, exist_ok=True)

@@ -141,11 +141,12 @@ class Registry:
              **({"cut_seconds": cut_seconds} if cut_seconds is not None else {}), "time": self.clock()}))
         pipe.execute()
 
-    def record_running(self, job_id: int, node: str, how: str, devices: int) -> None:
+    def record_running(self, job_id: int, node: str, how: str, devices: int, turns: int = 0) -> None:
         """From now the job's trees on `node` run (`how`: start | restore) on `devices` of its
-        devices (for the SLA accounting)."""
+        devices (for the SLA accounting), `turns` of which their ranks take turns on."""
         self.redis.rpush(keys.job_events(job_id), json.dumps(
-            {"event": "running", "how": how, "node": node, "devices": devices, "time": self.clock()}))
+            {"event": "running", "how": how, "node": node, "devices": devices, "turns": turns,
+             "time": self.clock()}))
 
     def record_failure(self, job_id: int, node: str, reason: str, error: str) -> None:
         """A checkpoint that failed (the job then resumes from its last good one)."""

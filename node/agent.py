@@ -150,6 +150,7 @@ class AgentState:
         self.cut_timeout = cut_timeout
         self.proxies: dict[str, Path] = {}  # proxies serving ranks of the tree: id -> control socket
         self.size: dict[str, int] | None = None  # a distributed job's ranks, devices, nodes in all
+        self.turns: list[str] = []  # of those, the proxies whose ranks take turns on their device
         self.proxy_lost: str | None = None
         # One request goes to the launcher at a time (`pending`): one command, one answer.
         self.commands: queue.Queue[dict] = queue.Queue(maxsize=1)
@@ -333,7 +334,8 @@ class AgentState:
         if index is None:
             return
         devices = len(self.proxies) if self.proxies else max(len(self.local_proxies()), 1)
-        index(lambda registry: registry.record_running(self.job_id, self.node, how, devices))
+        turns = len(self.turns)
+        index(lambda registry: registry.record_running(self.job_id, self.node, how, devices, turns))
 
     def _job_cgroups(self) -> list[Path]:
         """The job's extern step cgroups, from the caller's (a process of a step of the job here).
@@ -424,18 +426,24 @@ class AgentState:
             if busiest > bound.max_ranks_per_device:
                 raise RequestError(f"the placement puts {busiest} ranks on one of {self.node}'s devices, "
                                    f"more than [elastic] max_ranks_per_device = {bound.max_ranks_per_device}")
+        turns = []
         for proxy in local:  # every proxy learns the generation; unused ones serve nothing
             try:
-                rpc.call(local[proxy], {"op": "configure", "generation": config["generation"],
-                                        "placement": placement}, timeout=30, service=f"proxy {proxy}")
+                answer = rpc.call(local[proxy], {"op": "configure", "generation": config["generation"],
+                                                 "placement": placement},
+                                  timeout=30, service=f"proxy {proxy}")
             except rpc.RpcError as exc:
                 raise RequestError(f"proxy {proxy}: {exc}", kind=exc.kind) from exc
+            if isinstance(answer, dict) and answer.get("turns") is True:
+                turns.append(proxy)
+        self.turns = turns
         self.proxies = {proxy: local[proxy] for proxy in sorted(used, key=_device_order)}
         devices = set(placement.values())
         self.size = {"ranks": len(placement), "devices": len(devices),
                      "nodes": len({proxy.split("/", 1)[0] for proxy in devices})}
-        LOG.info("job %s node %s: proxies %s serve ranks %s (generation %s)", self.job_id, self.node,
-                 list(self.proxies), ranks, config["generation"])
+        LOG.info("job %s node %s: proxies %s serve ranks %s (generation %s)%s", self.job_id, self.node,
+                 list(self.proxies), ranks, config["generation"],
+                 f"; the ranks of {', '.join(turns)} take turns" if turns else "")
         return ranks
 
     def _proxies_call(self, payload: dict, timeout: float | None) -> list[dict]:

@@ -13,12 +13,16 @@ The node agent drives it through a root-only control socket:
   ready {timeout}                     wait until this generation's mesh is up, or failed (mesh_error)
   status {} | stats {}                state of the ranks and the barrier | time spent per operation
 
+Ranks that share the device take turns on it where `proxy.time_slicing` says so (see `turns`): a
+rank's first hello waits for its turn, and each operation hands the turn on while it runs.
+
 Nothing here must survive a checkpoint: a restored job gets fresh proxies and a new generation.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import logging
 import os
@@ -46,6 +50,7 @@ from .hal import BackendError, DeviceBackend, Region, backend, dtype_of
 from .mesh import Mesh, MeshError
 from .ranksock import RankSockets
 from .rendezvous import Rendezvous, RendezvousError
+from .turns import Slicing, Turns, takes_turns
 
 LOG = logging.getLogger("singularity.proxy")
 
@@ -140,6 +145,8 @@ class Proxy:
         self.stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.stats_lock = threading.Lock()
         self.stopping = False  # once set, a peer going away is the job ending, not a failure
+        self.turns = Turns()
+        self.sliced = False  # this generation's ranks on the device take turns
 
     def log(self, message: str, *args) -> None:
         LOG.info("job %s proxy %s gen %s: " + message, self.job_id, self.id, self.generation, *args)
@@ -160,14 +167,18 @@ class Proxy:
             self.states = {r: RankState.ABSENT for r in self.local_ranks}
             self.issued = {r: {} for r in self.local_ranks}
             self.phase, self.targets, self.ready, self.mesh_error = Phase.RUNNING, {}, False, None
+            self.turns = Turns()
+            exclusive = bool(getattr(self.device, "exclusive", False))
+            self.sliced = takes_turns(Slicing(self.limits.time_slicing), exclusive, len(self.local_ranks))
         if not self.local_ranks:
             self.log("serves no rank of this generation")
             return {"ranks": []}
         for rank in self.local_ranks:
             self._listen(rank)
         threading.Thread(target=self._build_mesh, daemon=True).start()
-        self.log("serving ranks %s; proxies %s; leader %s", self.local_ranks, self.proxies, self.leader)
-        return {"ranks": self.local_ranks}
+        self.log("serving ranks %s%s; proxies %s; leader %s", self.local_ranks,
+                 " (taking turns)" if self.sliced else "", self.proxies, self.leader)
+        return {"ranks": self.local_ranks, "turns": self.sliced}
 
     def _build_mesh(self) -> None:
         with self.cond:
@@ -289,7 +300,10 @@ class Proxy:
                 try:
                     if op == "hello":
                         self._hello(session, message)
-                        wire.send(sock, {"ok": True, "generation": self.generation, "proxy": self.id})
+                        if message.get("turn") is True:
+                            self._take_turn(session)
+                        wire.send(sock, {"ok": True, "generation": self.generation, "proxy": self.id,
+                                         "turns": self.sliced})
                     elif op == "map":
                         region = self._map(message)
                         old, session.region = session.region, region
@@ -304,7 +318,7 @@ class Proxy:
                     elif op == "bye":
                         return
                     else:
-                        reply = self._operation(session, message)
+                        reply = self._in_turn(session, message)
                         wire.send(sock, reply)
                         if reply.get("park"):
                             parked = True
@@ -321,6 +335,8 @@ class Proxy:
             with self.cond:
                 if self.sessions.get(rank) is session:
                     del self.sessions[rank]
+                    if self.turns.forget(rank, time.monotonic()) is not None:
+                        self.cond.notify_all()
                     if not parked and self.states.get(rank) != RankState.PARKED:
                         self.states[rank] = RankState.FINISHED
                     self._check_parked()
@@ -371,6 +387,50 @@ class Proxy:
     def group(self, comm: str) -> collectives.Group:
         ranks = self.comms[comm]
         return collectives.Group(comm, tuple(self.placement[r] for r in ranks))
+
+    # --- turns on the device -----------------------------------------------------------------------
+
+    def _in_turn(self, session: Session, message: dict) -> dict:
+        """Run an operation with the device's turn handed on meanwhile; answer once the rank holds
+        the turn again (not when it parked: a parked rank holds no turn)."""
+        if self.sliced:
+            with self.cond:
+                if self.turns.release(session.rank, time.monotonic()) is not None:
+                    self.cond.notify_all()
+        try:
+            reply = self._operation(session, message)
+        except (ProxyError, BackendError, KeyError, ValueError, TypeError):
+            self._take_turn(session)  # the script goes on computing after the error it is told
+            raise
+        if not reply.get("park"):
+            self._take_turn(session)
+        return reply
+
+    def _take_turn(self, session: Session) -> None:
+        """Wait until the rank holds the device's turn (at once where its ranks do not take turns),
+        until the holder's turn lapses (`proxy.turn_lapse_s`: the rank then runs beside it), or until
+        its session or generation is over."""
+        rank = session.rank
+        lapsed: int | None = None
+        with self.cond:
+            if not self.sliced:
+                return
+            generation, started = self.generation, time.monotonic()
+            self.turns.request(rank, started)
+            while (not self.turns.holds(rank) and self.generation == generation and not self.stopping
+                   and self.sessions.get(rank) is session):
+                lapse = self.turns.lapse_at(self.limits.turn_lapse_s)
+                now = time.monotonic()
+                if lapse is not None and now >= lapse:
+                    self.turns.withdraw(rank)
+                    lapsed = self.turns.holder
+                    break
+                self.cond.wait(None if lapse is None else lapse - now)
+        waited = time.monotonic() - started
+        self._count("turn", count=1, wait_seconds=waited, lapses=int(lapsed is not None))
+        if lapsed is not None:
+            self.log("rank %s held the device's turn for %.0fs without a collective: rank %s runs beside it "
+                     "(proxy.turn_lapse_s)", lapsed, waited, rank)
 
     # --- operations -------------------------------------------------------------------------------
 
@@ -727,7 +787,10 @@ class Proxy:
         with self.cond:
             return {"proxy": self.id, "generation": self.generation, "phase": str(self.phase),
                     "ranks": {str(r): str(s) for r, s in self.states.items()}, "ready": self.ready,
-                    "leader": self.leader, "mesh_error": self.mesh_error}
+                    "leader": self.leader, "mesh_error": self.mesh_error,
+                    "turns": ({"holder": self.turns.holder, "waiting": list(self.turns.waiting),
+                               "handovers": self.turns.handovers, "lapses": self.turns.lapses}
+                              if self.sliced else None)}
 
     def stats_report(self) -> dict:
         with self.stats_lock:
@@ -787,6 +850,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--id", required=True, help="proxy id, unique in the job (NODE/DEVICE)")
     parser.add_argument("--socket", type=Path, required=True, help="control socket for the node agent")
     parser.add_argument("--backend", default="host", help="device backend (default: host)")
+    parser.add_argument("--time-slicing", choices=("auto", "turns", "concurrent"), default=None,
+                        help="how ranks that share this device run (default: the configuration's "
+                             "proxy.time_slicing)")
     parser.add_argument("--rendezvous-dir", type=Path, default=None,
                         help="find peers through this folder instead of the coordinator (one machine)")
     parser.add_argument("--advertise", default=None,
@@ -802,6 +868,9 @@ def main(argv: list[str] | None = None) -> int:
     from .rendezvous import FileRendezvous, RedisRendezvous
 
     config = load()
+    limits = config.proxy
+    if args.time_slicing is not None:
+        limits = dataclasses.replace(limits, time_slicing=args.time_slicing)
     advertise = args.advertise or _host_address()
     if args.rendezvous_dir is not None:
         def rendezvous():
@@ -813,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
             return RedisRendezvous(connect(config.redis), args.job_id)
     node = args.id.split("/", 1)[0]
     proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous,
-                  state_dir=args.state_dir or config.paths.state_dir, limits=config.proxy,
+                  state_dir=args.state_dir or config.paths.state_dir, limits=limits,
                   advertise_host=advertise, fault=lambda point: faults.point(config, point, node))
     server = serve_control(proxy, args.socket)
     stop = threading.Event()

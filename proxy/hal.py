@@ -60,6 +60,7 @@ class Region:
 
 class DeviceBackend(Protocol):
     name: str
+    exclusive: bool  # its ranks must take turns when they share it (a GPU); CPU slots need not
 
     def region(self, nbytes: int) -> Region: ...
 
@@ -77,6 +78,7 @@ class HostBackend:
     """CPU memory and numpy arithmetic."""
 
     name = "host"
+    exclusive = False
 
     def region(self, nbytes: int) -> Region:
         size = max(MIN_REGION, -(-nbytes // MIN_REGION) * MIN_REGION)

@@ -89,6 +89,8 @@ class ProxyConfig:
     cut_timeout: int = 60  # seconds a checkpoint waits for the distributed cut before giving up
     max_region_mib: int = 4096  # largest shared-memory region one rank may ask its proxy for
     max_rank_connections: int = 4  # connections one rank may hold to its proxy at once
+    time_slicing: str = "auto"  # ranks sharing a device: auto (turns on a GPU), turns, concurrent
+    turn_lapse_s: int = 10  # a turn held this long without a collective lets the waiters run
 
     @property
     def max_region_bytes(self) -> int:
@@ -135,6 +137,9 @@ class SlaConfig:
 
     window_s: int = 3600  # the accounting window: each tier's GPU fraction is met (or not) per window
 
+
+TIME_SLICING = ("auto", "turns", "concurrent")
+"""The values of `proxy.time_slicing` (`singularity_slurm.proxy.turns.Slicing`)."""
 
 MAX_MMAP_THRESHOLD = 32 << 20
 """glibc's largest mmap threshold on 64-bit systems (HEAP_MAX_SIZE / 2); it ignores larger values."""
@@ -212,6 +217,12 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                                         "the most data one collective call moves (1..1048576)"),
     "proxy.max_rank_connections": (4, int, "connections one rank may hold to its proxy at once (1..64); "
                                            "a proxy serves at most this many per rank it serves"),
+    "proxy.time_slicing": ("auto", str, "how ranks that share a device run: turns (one at a time, handing "
+                                        "the device on at every collective), concurrent (all at once), or "
+                                        "auto (turns on a GPU, concurrent on CPU slots)"),
+    "proxy.turn_lapse_s": (10, int, "seconds a rank may hold its device's turn without reaching a collective "
+                                    "before the ranks waiting for it run beside it (1..3600): a rank that "
+                                    "waits for another of its device outside collectives would hang them"),
     "local_files.max_files": (LocalFilesConfig.max_files, int,
                               "node-local files (from the job's file-log) a checkpoint carries at most"),
     "local_files.max_bytes": (LocalFilesConfig.max_bytes, int,
@@ -342,15 +353,17 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         return value
 
     proxy_raw = data.get("proxy", {})
-    _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout", "max_region_mib", "max_rank_connections"},
-                "proxy")
+    _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout", "max_region_mib", "max_rank_connections",
+                            "time_slicing", "turn_lapse_s"}, "proxy")
     proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "host"),
                         cpu_slots=_take(proxy_raw, "cpu_slots", "proxy", int, 1),
                         cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60),
                         max_region_mib=_take(proxy_raw, "max_region_mib", "proxy", int,
                                              KEYS["proxy.max_region_mib"][0]),
                         max_rank_connections=_take(proxy_raw, "max_rank_connections", "proxy", int,
-                                                   KEYS["proxy.max_rank_connections"][0]))
+                                                   KEYS["proxy.max_rank_connections"][0]),
+                        time_slicing=_take(proxy_raw, "time_slicing", "proxy", str, "auto"),
+                        turn_lapse_s=_take(proxy_raw, "turn_lapse_s", "proxy", int, 10))
     if proxy.backend != "host":
         raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: host")
     if not 1 <= proxy.cpu_slots <= 256:
@@ -361,6 +374,11 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"proxy.max_region_mib must be 1..1048576 MiB, got {proxy.max_region_mib}")
     if not 1 <= proxy.max_rank_connections <= 64:
         raise ConfigError(f"proxy.max_rank_connections must be 1..64, got {proxy.max_rank_connections}")
+    if not 1 <= proxy.turn_lapse_s <= 3600:
+        raise ConfigError(f"proxy.turn_lapse_s must be 1..3600 seconds, got {proxy.turn_lapse_s}")
+    if proxy.time_slicing not in TIME_SLICING:
+        raise ConfigError(f"proxy.time_slicing = {proxy.time_slicing!r} is not one of "
+                          f"{', '.join(TIME_SLICING)}")
 
     admin_raw = data.get("admin", {})
     _check_keys(admin_raw, {"operators"}, "admin")

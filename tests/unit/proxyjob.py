@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from singularity_slurm.config import ProxyConfig
 from singularity_slurm.interpose import HOOK_DIR
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 from singularity_slurm.proxy.daemon import Proxy
@@ -49,7 +50,7 @@ class Job:
     """In-process proxies for a placement, and worker processes for its ranks."""
 
     def __init__(self, folder: Path, placement: dict[int, str], uid: int | None = None,
-                 state_dir: Path | None = None):
+                 state_dir: Path | None = None, limits: ProxyConfig | None = None):
         self.folder = folder
         self.id = int.from_bytes(os.urandom(4), "big") + 10**10
         self.placement = placement
@@ -59,7 +60,7 @@ class Job:
         rendezvous = MemoryRendezvous()
         uid = os.getuid() if uid is None else uid
         self.proxies = {p: Proxy(self.id, uid, p, HostBackend(), lambda: rendezvous, state_dir=self.state_dir,
-                                 bind_host="127.0.0.1")
+                                 bind_host="127.0.0.1", limits=limits)
                         for p in sorted(set(placement.values()))}
         for proxy in self.proxies.values():
             proxy.configure("1", placement)

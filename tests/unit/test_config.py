@@ -451,7 +451,8 @@ def test_proxy_defaults_match_the_documented_keys() -> None:
     assert {key: default for key, (default, _, _) in KEYS.items() if key.startswith("proxy.")} == {
         "proxy.backend": proxy.backend, "proxy.cpu_slots": proxy.cpu_slots,
         "proxy.cut_timeout": proxy.cut_timeout, "proxy.max_region_mib": proxy.max_region_mib,
-        "proxy.max_rank_connections": proxy.max_rank_connections,
+        "proxy.max_rank_connections": proxy.max_rank_connections, "proxy.time_slicing": proxy.time_slicing,
+        "proxy.turn_lapse_s": proxy.turn_lapse_s,
     }
 
 
@@ -471,7 +472,7 @@ def test_the_documented_example_configures_the_proxies() -> None:
 def test_unknown_proxy_key_lists_valid_keys() -> None:
     assert config_error({"proxy": {"slots": 2}}) == (
         "unknown key(s) in [proxy]: slots; valid keys: backend, cpu_slots, cut_timeout, "
-        "max_rank_connections, max_region_mib"
+        "max_rank_connections, max_region_mib, time_slicing, turn_lapse_s"
     )
 
 
@@ -510,6 +511,29 @@ def test_proxy_resource_bounds_default_to_4_gib_regions_and_4_connections_per_ra
 ])
 def test_proxy_resource_bounds_out_of_range_are_refused(key: str, value: int, message: str) -> None:
     assert config_error({"proxy": {key: value}}) == message
+
+
+@pytest.mark.parametrize("mode", ["auto", "turns", "concurrent"])
+def test_time_slicing_takes_each_mode(mode: str) -> None:
+    assert parse({"proxy": {"time_slicing": mode}}).proxy.time_slicing == mode
+
+
+def test_time_slicing_defaults_to_auto_turns_on_a_gpu_only_lapsing_after_10_s() -> None:
+    assert (parse({}).proxy.time_slicing, parse({}).proxy.turn_lapse_s) == ("auto", 10)
+
+
+@pytest.mark.parametrize("lapse", [0, 3601])
+def test_turn_lapse_out_of_range_is_refused(lapse: int) -> None:
+    assert config_error({"proxy": {"turn_lapse_s": lapse}}) == (
+        f"proxy.turn_lapse_s must be 1..3600 seconds, got {lapse}"
+    )
+
+
+@pytest.mark.parametrize("mode", ["Turns", "", "serial"])
+def test_unknown_time_slicing_is_refused_with_the_valid_modes(mode: str) -> None:
+    assert config_error({"proxy": {"time_slicing": mode}}) == (
+        f"proxy.time_slicing = {mode!r} is not one of auto, turns, concurrent"
+    )
 
 
 def test_proxy_resource_bounds_are_taken_at_their_limits() -> None:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from proxyjob import Job, remove_state, state_folder
 
+from singularity_slurm.config import ProxyConfig
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 from singularity_slurm.interpose.pyhook._singularity_worker.proxy_client import ProxyClient
 from singularity_slurm.proxy.daemon import Proxy, ProxyError
@@ -185,6 +186,26 @@ elif mode == "loop":
         if stop.item():
             break
     result.update(iterations=i, bad=bad)
+elif mode == "turns":
+    spans, bad = [], []
+    for i in range(20):
+        began = time.monotonic()
+        x = torch.full((4096,), float(rank + i))
+        for _ in range(50):
+            x = x * 1.0001 + 0.5
+        spans.append([began, time.monotonic()])
+        t = torch.full((3,), float(rank + i))
+        dist.all_reduce(t, async_op=True).wait()
+        if t.tolist() != [float(sum(r + i for r in range(world)))] * 3:
+            bad.append([i, t.tolist()])
+    result.update(spans=spans, bad=bad)
+elif mode == "outside":
+    t = f32(rank)
+    dist.all_reduce(t)
+    mark("here")  # each rank waits for the other's file: the first to hold the turn would hang alone
+    until(f"here-{1 - rank}")
+    dist.all_reduce(t)
+    result["after"] = t.tolist()
 elif mode == "stall":
     t = f32(rank)
     dist.all_reduce(t)
@@ -254,10 +275,12 @@ def refused(address: str) -> bool:
 # --- workers through the proxies ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ops_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, dict]]:
-    """Every operation of the backend, once, by three workers on two proxies (two ranks on one)."""
-    run = Job(tmp_path_factory.mktemp("ops"), {0: "p0", 1: "p0", 2: "p1"})
+@pytest.fixture(scope="module", params=["concurrent", "turns"])
+def ops_results(tmp_path_factory: pytest.TempPathFactory, request) -> Iterator[dict[int, dict]]:
+    """Every operation of the backend, once, by three workers on two proxies (two ranks on one, at
+    once or taking turns)."""
+    run = Job(tmp_path_factory.mktemp("ops"), {0: "p0", 1: "p0", 2: "p1"},
+              limits=ProxyConfig(time_slicing=request.param))
     try:
         run.start(WORKER, "ops")
         yield run.results()
@@ -298,6 +321,42 @@ def test_torch_single_tensor_gather_and_scatter_through_proxies(ops_results: dic
         r: ([0.0, 0.5, 1.0, 1.5, 2.0, 2.5], [12.0 * r, 12.0 * r + 6]) for r in range(3)}
 
 
+def test_ranks_sharing_a_device_compute_one_at_a_time_when_they_take_turns(job) -> None:
+    run = job({0: "p0", 1: "p0", 2: "p0", 3: "p1"}, limits=ProxyConfig(time_slicing="turns"))
+    run.start(WORKER, "turns")
+    results = run.results()
+
+    assert {r: res["bad"] for r, res in results.items()} == {r: [] for r in range(4)}
+    shared = sorted((began, ended, rank) for rank in (0, 1, 2) for began, ended in results[rank]["spans"])
+    overlaps = [(a, b) for a, b in zip(shared, shared[1:], strict=False) if b[0] < a[1]]
+    assert not overlaps, f"ranks of one device computed at once: {overlaps[:3]}"
+    turns = run.proxies["p0"].status()["turns"]
+    assert turns["holder"] is None and turns["waiting"] == []  # every rank gave its turn back at its end
+    assert turns["handovers"] >= 20  # every iteration passed the device on
+    assert run.proxies["p1"].status()["turns"] is None  # one rank there: nothing to take turns for
+    assert run.proxies["p0"].stats_report()["turn"]["count"] >= 3 * 21
+
+
+def test_a_turn_held_outside_collectives_lapses_and_the_waiting_rank_runs_beside_it(job) -> None:
+    run = job({0: "p0", 1: "p0"}, limits=ProxyConfig(time_slicing="turns", turn_lapse_s=1))
+    run.start(WORKER, "outside")
+    results = run.results()
+
+    assert {r: res["after"] for r, res in results.items()} == {0: [2.0], 1: [2.0]}
+    assert run.proxies["p0"].status()["turns"]["lapses"] == 1
+    assert run.proxies["p0"].stats_report()["turn"]["lapses"] == 1
+
+
+def test_ranks_sharing_a_device_at_once_overlap_and_get_the_same_numbers(job) -> None:
+    run = job({0: "p0", 1: "p0", 2: "p0", 3: "p1"}, limits=ProxyConfig(time_slicing="concurrent"))
+    run.start(WORKER, "turns")
+    results = run.results()
+
+    assert {r: res["bad"] for r, res in results.items()} == {r: [] for r in range(4)}
+    assert run.proxies["p0"].status()["turns"] is None
+    assert "turn" not in run.proxies["p0"].stats_report()
+
+
 def test_a_worker_waiting_in_a_collective_holds_one_unix_socket_and_no_tcp_socket(job) -> None:
     run = job({0: "p0", 1: "p1"})
     run.start(WORKER, "idle")
@@ -322,8 +381,9 @@ def test_a_worker_waiting_in_a_collective_holds_one_unix_socket_and_no_tcp_socke
 # --- the distributed cut --------------------------------------------------------------------------
 
 
-def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish(job) -> None:
-    run = job({0: "p0", 1: "p0", 2: "p1"})
+@pytest.mark.parametrize("slicing", ["concurrent", "turns"])
+def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish(job, slicing: str) -> None:
+    run = job({0: "p0", 1: "p0", 2: "p1"}, limits=ProxyConfig(time_slicing=slicing))
     run.start(WORKER, "loop")
     run.wait_for_files("looping")
 
@@ -418,9 +478,32 @@ def test_the_proxy_is_served_by_root(solo: Job) -> None:
     try:
         assert wire.peer_uid(rank.sock) == 0 or os.getuid() != 0
         assert rank.ask({"op": "hello", "rank": 0, "world_size": 2}) == {
-            "ok": True, "generation": "1", "proxy": "p0"}
+            "ok": True, "generation": "1", "proxy": "p0", "turns": False}
     finally:
         rank.close()
+
+
+def test_a_first_hello_on_a_shared_device_waits_for_the_turn_its_holder_hands_on(job) -> None:
+    run = job({0: "p0", 1: "p0"}, limits=ProxyConfig(time_slicing="turns"))
+    first, second = RawRank(run.address(0)), RawRank(run.address(1))
+    try:
+        assert first.ask({"op": "hello", "rank": 0, "world_size": 2, "turn": True})["turns"] is True
+        answers: list[dict] = []
+        waiter = threading.Thread(target=lambda: answers.append(
+            second.ask({"op": "hello", "rank": 1, "world_size": 2, "turn": True})))
+        waiter.start()
+        waiting = {"holder": 0, "waiting": [1], "handovers": 0, "lapses": 0}
+        run.wait_for("rank 1 waiting for the turn", lambda: run.proxies["p0"].status()["turns"] == waiting)
+        assert answers == []
+
+        wire.send(first.sock, {"op": "bye"})  # the holder goes: its turn goes on
+        waiter.join(timeout=10)
+        assert answers and answers[0]["ok"] is True
+        assert run.proxies["p0"].status()["turns"] == {"holder": 1, "waiting": [], "handovers": 1,
+                                                       "lapses": 0}
+    finally:
+        first.close()
+        second.close()
 
 
 @pytest.mark.parametrize(("hello", "error"), [

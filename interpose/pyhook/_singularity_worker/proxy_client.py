@@ -6,6 +6,11 @@ worker drops both, waits until its rank's socket path is served again (by the sa
 that leaves the job running, or by a fresh proxy on whatever node the job was restored on) and sends
 the request again. So a checkpoint image of a worker never refers to a proxy or a peer.
 
+Where ranks share a device and take turns on it (the proxy says so in its answer to hello), the
+first hello of the process waits for the rank's first turn, and every operation's answer for its next
+one (`singularity_slurm.proxy.turns`); the torch backend then runs every operation synchronously, so
+that the rank computes only while it holds the turn.
+
 Standard library and ctypes only (it runs in the job's own Python): tensors are copied by address,
 so nothing here depends on torch, and no Python buffer export pins the mapping when it has to go.
 """
@@ -64,6 +69,8 @@ class ProxyClient:
         self.comms: dict[str, list[int]] = {}
         self.generation: str | None = None
         self.parks = 0
+        self.started = False  # the first hello (which waits for the rank's first turn) was answered
+        self.turns = False  # the ranks of this rank's device take turns (the latest hello's answer)
         os.register_at_fork(after_in_child=self._forget_in_child)
 
     # --- connection -------------------------------------------------------------------------------
@@ -85,8 +92,9 @@ class ProxyClient:
                              "refusing to send it the job's data")
         self.sock, self.reader = sock, wire.Reader(sock)
         reply = self._exchange({"op": "hello", "rank": self.rank, "world_size": self.world_size,
-                                "pid": os.getpid(), "comms": self.comms})
+                                "pid": os.getpid(), "comms": self.comms, "turn": not self.started})
         self.generation = reply.get("generation")
+        self.started, self.turns = True, reply.get("turns") is True
 
     def _drop(self) -> None:
         """Let go of everything the proxy handed out: the mapping, then the socket.
@@ -149,9 +157,13 @@ class ProxyClient:
     # --- requests ---------------------------------------------------------------------------------
 
     def register_comm(self, comm: str, ranks: Sequence[int]) -> None:
+        """Make a communicator known to the proxy. The first one connects: the rank's first turn on
+        a shared device begins with its process group."""
         with self.lock:
             self.comms[comm] = list(ranks)
-            if self.sock is not None:
+            if not self.started:
+                self._guarded(self._connect)  # its hello names every communicator known
+            elif self.sock is not None:
                 self._guarded(lambda: self._exchange({"op": "comm", "comm": comm, "ranks": list(ranks)}))
 
     def call(self, message: dict, inputs: Sequence[tuple[int, int]], outputs: Sequence[tuple[int, int]],

@@ -9,7 +9,9 @@ All of a rank's operations go through one FIFO thread per process, in the order 
 them, so every rank sends the same sequence to its proxy. Allreduce, reduce, gather, scatter and
 all-to-all return at once with a future (DDP keeps computing its backward pass while a bucket is
 reduced; `async_op=True` callers overlap them with their own work); the others wait for their turn and
-their result. Arguments are checked when the script calls, so a call the proxy cannot serve fails
+their result. Where the rank's device is shared and its ranks take turns (the proxy says so), every
+operation waits for its result and the rank's next turn: a rank computes only while it holds its
+device. Arguments are checked when the script calls, so a call the proxy cannot serve fails
 there with the reason, on every rank alike. At a checkpoint a rank is computing, or parked in a
 request, never holding a half-done collective.
 
@@ -85,8 +87,9 @@ class _Queue:
             return action()  # issued from a future's callback, already on the queue's thread
         return self._ensure().submit(action).result()
 
-    def start(self, action: Callable[[], object]) -> dist.Work:
-        """Run `action` after everything issued before it; a work object completes with its result."""
+    def start(self, action: Callable[[], object], wait: bool = False) -> dist.Work:
+        """Run `action` after everything issued before it; a work object completes with its result
+        (`wait`: has completed, on return)."""
         future: Future = Future()
 
         def step():
@@ -99,6 +102,8 @@ class _Queue:
 
         if threading.current_thread() is self.thread:
             step()
+        elif wait:
+            self._ensure().submit(step).result()
         else:
             self._ensure().submit(step)
         return _Work(future)
@@ -286,7 +291,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                     self._run("allreduce", work, reduce=reduce)
             return tensors
 
-        return _QUEUE.start(reduce_all)
+        return _QUEUE.start(reduce_all, self.client.turns)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -302,7 +307,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 self._call(message, [work], [work] if is_root else [])
             return tensors
 
-        return _QUEUE.start(run)
+        return _QUEUE.start(run, self.client.turns)
 
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
@@ -347,7 +352,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 out.copy_(flat[i].view(out.shape))
             return output_tensors
 
-        return _QUEUE.start(run)
+        return _QUEUE.start(run, self.client.turns)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         out = _one(output_tensors, "scatter")
@@ -363,7 +368,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 self._call(message, flat, [dst])
             return output_tensors
 
-        return _QUEUE.start(run)
+        return _QUEUE.start(run, self.client.turns)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         for out, inputs in _pairs(outputs, input_lists, "reduce_scatter"):
@@ -394,7 +399,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 self._call(message, [input.contiguous()], [dst])
             return [output]
 
-        return _QUEUE.start(run)
+        return _QUEUE.start(run, self.client.turns)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
@@ -417,7 +422,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 offset += out.numel()
             return output_tensors
 
-        return _QUEUE.start(run)
+        return _QUEUE.start(run, self.client.turns)
 
     # torch 2.13 reaches the single-tensor forms through these names.
     all_gather_single = _allgather_base

@@ -1,0 +1,84 @@
+"""The bookkeeping of a device's turns: one holder, the others served in the order they asked."""
+
+from __future__ import annotations
+
+import pytest
+
+from singularity_slurm.proxy.turns import Slicing, Turns, takes_turns
+
+
+def test_the_first_rank_to_ask_holds_the_free_turn_and_the_others_wait_in_order() -> None:
+    turns = Turns()
+
+    assert [turns.request(r) for r in (2, 0, 1)] == [True, False, False]
+    assert (turns.holder, list(turns.waiting)) == (2, [0, 1])
+
+
+def test_a_released_turn_goes_to_whoever_waited_longest() -> None:
+    turns = Turns()
+    for rank in (2, 0, 1):
+        turns.request(rank)
+
+    assert turns.release(2) == 0
+    assert turns.request(2) is False  # it asks again, behind rank 1
+    assert [turns.release(0), turns.release(1), turns.release(2)] == [1, 2, None]
+    assert (turns.holder, list(turns.waiting), turns.handovers) == (None, [], 3)
+
+
+def test_asking_again_neither_queues_twice_nor_loses_a_held_turn() -> None:
+    turns = Turns()
+    turns.request(0)
+    turns.request(1)
+
+    assert turns.request(0) is True and turns.request(1) is False
+    assert list(turns.waiting) == [1]
+
+
+def test_only_the_holder_can_release_the_turn() -> None:
+    turns = Turns()
+    turns.request(0)
+    turns.request(1)
+
+    assert turns.release(1) is None
+    assert (turns.holder, list(turns.waiting)) == (0, [1])
+
+
+def test_a_rank_that_goes_away_holds_and_waits_for_nothing() -> None:
+    turns = Turns()
+    for rank in (0, 1, 2):
+        turns.request(rank)
+
+    assert turns.forget(1) is None  # it only waited
+    assert list(turns.waiting) == [2]
+    assert turns.forget(0) == 2  # it held the turn: the next one gets it
+    assert turns.forget(2) is None
+    assert (turns.holder, list(turns.waiting)) == (None, [])
+    assert turns.request(5) is True
+
+
+def test_a_held_turn_lapses_a_limit_after_it_was_granted_and_a_withdrawn_rank_waits_no_more() -> None:
+    turns = Turns()
+    assert turns.lapse_at(10) is None  # nobody holds it
+    turns.request(0, now=100.0)
+    turns.request(1, now=101.0)
+
+    assert turns.lapse_at(10) == 110.0
+    turns.withdraw(1)
+    assert (turns.holder, list(turns.waiting), turns.lapses) == (0, [], 1)
+    turns.withdraw(1)  # not waiting: nothing happens
+    assert turns.lapses == 1
+    turns.request(1, now=120.0)
+    assert turns.release(0, now=130.0) == 1
+    assert turns.lapse_at(10) == 140.0  # the new holder's own time
+
+
+@pytest.mark.parametrize(("mode", "exclusive", "ranks", "expected"), [
+    (Slicing.AUTO, True, 2, True),  # a GPU shared by two ranks
+    (Slicing.AUTO, False, 4, False),  # CPU slots: the OS shares the cores
+    (Slicing.TURNS, False, 2, True),
+    (Slicing.CONCURRENT, True, 4, False),
+    (Slicing.TURNS, True, 1, False),  # one rank on its device has nothing to take turns with
+    (Slicing.AUTO, True, 0, False),
+])
+def test_which_devices_take_turns(mode: Slicing, exclusive: bool, ranks: int, expected: bool) -> None:
+    assert takes_turns(mode, exclusive, ranks) is expected
