@@ -210,7 +210,6 @@ def render_singularity_config(layout: Layout) -> str:
         "",
         "[proxy]",
         f"cut_timeout = {max(5, layout.grace_time // 2)}",
-        'time_slicing = "turns"  # ranks sharing a CPU slot take turns, as on a GPU, so the tests run them',
         "",
         "[store]",
         "retention_min = 0  # a finished test job's checkpoints go when it ends",
