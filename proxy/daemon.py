@@ -371,6 +371,7 @@ class Proxy:
             if previous is not None:
                 previous.sock.close()
             self.sessions[rank] = session
+            self.cond.notify_all()  # a thread of the replaced session waiting for a turn gives up
             self.states[rank] = RankState.IDLE
         for comm, ranks in (message.get("comms") or {}).items():
             self._register_comm(session, str(comm), ranks)
@@ -408,29 +409,30 @@ class Proxy:
 
     def _take_turn(self, session: Session) -> None:
         """Wait until the rank holds the device's turn (at once where its ranks do not take turns),
-        until the holder's turn lapses (`proxy.turn_lapse_s`: the rank then runs beside it), or until
-        its session or generation is over."""
+        or until its session or generation is over. A holder that keeps the turn for
+        `proxy.turn_lapse_s` loses it to the rank that waited longest (it runs on beside it)."""
         rank = session.rank
-        lapsed: int | None = None
         with self.cond:
-            if not self.sliced:
+            if not self.sliced or self.sessions.get(rank) is not session:
                 return
             generation, started = self.generation, time.monotonic()
             self.turns.request(rank, started)
-            while (not self.turns.holds(rank) and self.generation == generation and not self.stopping
-                   and self.sessions.get(rank) is session):
+            while not self.turns.holds(rank):
+                if self.generation != generation or self.stopping or self.sessions.get(rank) is not session:
+                    self.turns.cancel(rank)
+                    return
                 lapse = self.turns.lapse_at(self.limits.turn_lapse_s)
                 now = time.monotonic()
                 if lapse is not None and now >= lapse:
-                    self.turns.withdraw(rank)
-                    lapsed = self.turns.holder
-                    break
+                    held, since = self.turns.holder, self.turns.since
+                    self.turns.lapse(now)
+                    self.log("rank %s held the device's turn for %.0fs without a collective: rank %s runs "
+                             "beside it (proxy.turn_lapse_s)", held, now - since, self.turns.holder)
+                    self._count("turn", lapses=1)
+                    self.cond.notify_all()
+                    continue
                 self.cond.wait(None if lapse is None else lapse - now)
-        waited = time.monotonic() - started
-        self._count("turn", count=1, wait_seconds=waited, lapses=int(lapsed is not None))
-        if lapsed is not None:
-            self.log("rank %s held the device's turn for %.0fs without a collective: rank %s runs beside it "
-                     "(proxy.turn_lapse_s)", lapsed, waited, rank)
+        self._count("turn", count=1, wait_seconds=time.monotonic() - started)
 
     # --- operations -------------------------------------------------------------------------------
 

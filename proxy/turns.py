@@ -15,8 +15,8 @@ device is shared, so "computing" is exactly "between two operations":
 
 A turn lapses: a rank that holds it for `proxy.turn_lapse_s` without reaching a collective (it waits
 for a file another rank of its device is to write, say, or has a long stretch of work of its own)
-lets the ranks waiting for it run beside it, as if the device were not shared, rather than hang
-them; they take turns again from their next collective on.
+lapses: the turn goes on to the rank that waited longest while the holder runs on beside it, rather
+than hang the others; the old holder takes turns again from its next collective on.
 
 Turns keep going during a cut: a rank behind the cut's targets needs its turn to reach them.
 Whoever waits longest is next (first come, first served), so no rank starves while the others
@@ -75,11 +75,19 @@ class Turns:
         """When the holder's turn lapses for the ranks waiting (None: nobody holds it)."""
         return None if self.holder is None else self.since + limit
 
-    def withdraw(self, rank: int) -> None:
-        """`rank` stops waiting: the holder's turn lapsed, and it runs beside it."""
+    def lapse(self, now: float) -> int | None:
+        """The holder kept the turn too long: it runs on beside the others, and the turn goes to
+        whoever waited longest, from `now` (the others wait on, in order). Returns the new holder."""
+        if self.holder is None or not self.waiting:
+            return None
+        self.holder, self.since = self.waiting.popleft(), now
+        self.lapses += 1
+        return self.holder
+
+    def cancel(self, rank: int) -> None:
+        """`rank` stops waiting (its session or generation is over)."""
         if rank in self.waiting:
             self.waiting.remove(rank)
-            self.lapses += 1
 
     def holds(self, rank: int) -> bool:
         return self.holder == rank

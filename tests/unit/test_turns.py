@@ -56,20 +56,29 @@ def test_a_rank_that_goes_away_holds_and_waits_for_nothing() -> None:
     assert turns.request(5) is True
 
 
-def test_a_held_turn_lapses_a_limit_after_it_was_granted_and_a_withdrawn_rank_waits_no_more() -> None:
+def test_a_lapsed_turn_goes_to_whoever_waited_longest_from_then_on() -> None:
     turns = Turns()
     assert turns.lapse_at(10) is None  # nobody holds it
-    turns.request(0, now=100.0)
-    turns.request(1, now=101.0)
+    for rank, now in ((0, 100.0), (1, 101.0), (2, 102.0)):
+        turns.request(rank, now=now)
 
     assert turns.lapse_at(10) == 110.0
-    turns.withdraw(1)
-    assert (turns.holder, list(turns.waiting), turns.lapses) == (0, [], 1)
-    turns.withdraw(1)  # not waiting: nothing happens
-    assert turns.lapses == 1
-    turns.request(1, now=120.0)
-    assert turns.release(0, now=130.0) == 1
-    assert turns.lapse_at(10) == 140.0  # the new holder's own time
+    assert turns.lapse(110.0) == 1
+    assert (turns.holder, list(turns.waiting), turns.lapses) == (1, [2], 1)
+    assert turns.lapse_at(10) == 120.0  # the new holder's own time: rank 2 waits on
+    assert turns.release(0, now=111.0) is None  # the old holder, beside it, holds nothing
+    assert turns.release(1, now=112.0) == 2
+
+
+def test_a_cancelled_waiter_waits_no_more_and_a_lapse_needs_a_waiter() -> None:
+    turns = Turns()
+    turns.request(0)
+    turns.request(1)
+    turns.cancel(1)
+    turns.cancel(1)
+
+    assert (turns.holder, list(turns.waiting)) == (0, [])
+    assert turns.lapse(50.0) is None and turns.lapses == 0
 
 
 @pytest.mark.parametrize(("mode", "exclusive", "ranks", "expected"), [
