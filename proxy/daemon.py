@@ -394,10 +394,11 @@ class Proxy:
     def _in_turn(self, session: Session, message: dict) -> dict:
         """Run an operation with the device's turn handed on meanwhile; answer once the rank holds
         the turn again (not when it parked: a parked rank holds no turn)."""
-        if self.sliced:
-            with self.cond:
-                if self.turns.release(session.rank, time.monotonic()) is not None:
-                    self.cond.notify_all()
+        if not self.sliced:
+            return self._operation(session, message)
+        with self.cond:
+            if self.turns.release(session.rank, time.monotonic()) is not None:
+                self.cond.notify_all()
         try:
             reply = self._operation(session, message)
         except (ProxyError, BackendError, KeyError, ValueError, TypeError):

@@ -13,10 +13,10 @@ device is shared, so "computing" is exactly "between two operations":
 - a rank parked at a checkpoint's cut holds no turn (it handed it on with the operation it parked
   on), nor does a rank that has gone (bye, or its connection closed).
 
-A turn lapses: a rank that holds it for `proxy.turn_lapse_s` without reaching a collective (it waits
-for a file another rank of its device is to write, say, or has a long stretch of work of its own)
-lapses: the turn goes on to the rank that waited longest while the holder runs on beside it, rather
-than hang the others; the old holder takes turns again from its next collective on.
+A turn lapses when a rank holds it for `proxy.turn_lapse_s` without reaching a collective (it waits
+for a file another rank of its device is to write, say, or has a long stretch of work of its own):
+the turn goes on to the rank that waited longest while the holder runs on beside it, rather than
+hang the others; the old holder takes turns again from its next collective on.
 
 Turns keep going during a cut: a rank behind the cut's targets needs its turn to reach them.
 Whoever waits longest is next (first come, first served), so no rank starves while the others
@@ -57,7 +57,7 @@ class Turns:
     holder: int | None = None
     waiting: deque[int] = field(default_factory=deque)
     handovers: int = 0  # how often the turn went from one rank to another
-    lapses: int = 0  # how often a waiting rank ran beside a holder that kept the turn too long
+    lapses: int = 0  # how often a holder lost the turn for keeping it too long
     since: float = 0.0  # when the holder got the turn (the caller's clock)
 
     def request(self, rank: int, now: float = 0.0) -> bool:
@@ -106,8 +106,5 @@ class Turns:
     def forget(self, rank: int, now: float = 0.0) -> int | None:
         """`rank` is gone: it neither holds nor waits for the turn any more. Returns the new holder
         when it held the turn."""
-        try:
-            self.waiting.remove(rank)
-        except ValueError:
-            pass
+        self.cancel(rank)
         return self.release(rank, now)
