@@ -14,6 +14,10 @@ statistics in between, while no rank communicates):
   `--compute-steps` steps under DDP's no_sync() (the same computation, no gradient allreduce), each
   between two barriers that are not timed: the compute-only baseline.
 
+`--device-ms` adds that much time to every forward pass without using the host's CPU (a sleep): it
+stands for the kernels of a device a rank holds, for benchmarks that model more devices than the
+machine has cores (benchmarks/elastic_sizes.py).
+
 Each rank then writes its times, and what it ran on, to `--sync-dir/rank-R.json`. The script knows
 nothing of Singularity: under the benchmark's proxy mode the interposed sitecustomize turns
 `init_process_group("gloo")` into the proxy backend, and the JSON says which backend the process
@@ -63,6 +67,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=3, help="hidden Linear layers")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="device time added to every forward pass, without host CPU (a sleep)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -78,12 +84,15 @@ def main() -> int:
     data = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(args.batch, args.hidden, generator=data)
     y = torch.randn(args.batch, 1, generator=data)
+    device_s = args.device_ms / 1000
 
     def step() -> tuple[float, float, float, float]:
         """(step, forward, backward, optimizer) seconds."""
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
+        if device_s:
+            time.sleep(device_s)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -109,7 +118,8 @@ def main() -> int:
     with torch.no_grad():
         loss = torch.nn.functional.mse_loss(model(x), y).item()
     result = {"rank": rank, "world_size": world, "backend": str(dist.get_backend()), "pid": os.getpid(),
-              "hidden": args.hidden, "layers": args.layers, "batch": args.batch, "params": params,
+              "hidden": args.hidden, "layers": args.layers, "batch": args.batch, "device_ms": args.device_ms,
+              "params": params,
               "grad_bytes": params * 4, "warmup": args.warmup, "loop_s": loop_s, "loss": loss,
               "step_s": [t[0] for t in timed], "forward_s": [t[1] for t in timed],
               "backward_s": [t[2] for t in timed], "optimizer_s": [t[3] for t in timed],

@@ -12,7 +12,13 @@ so ranks sharing a device share one core, as ranks sharing a GPU share its time.
 count: the median step time over rounds, the slowdown against the run on the most devices measured
 (M_max: N itself where the machine has N CPUs), the ideal M_max/M, and the time-slicing overhead =
 slowdown / ideal (1.00: no cost beyond sharing the device). Needs
-root (the proxies' control socket is root-only) and at least max(--devices) CPUs. See
+root (the proxies' control socket is root-only) and at least max(--devices) CPUs.
+
+With --device-ms T a device is emulated instead: every forward pass holds its rank's device for T ms
+without using the host's CPU (the workload's sleep, standing for kernels), the ranks are not pinned,
+and ranks sharing a device take turns (side by side, the sleeps of a device's ranks would overlap,
+as no device's work does). The step then costs about (N/M) * T on M devices whatever the machine's
+cores, so the overhead of taking turns is measured on device counts beyond them. See
 benchmarks/README.md.
 """
 
@@ -50,12 +56,15 @@ class PinnedRunner(base.Runner):
     """proxy_vs_gloo's runner, with every rank pinned to the CPU that stands for its device, and the
     proxies told how ranks sharing a device run (`--time-slicing`)."""
 
-    def __init__(self, settings: base.Settings, folder: Path, say, slicing: str):
+    def __init__(self, settings: base.Settings, folder: Path, say, slicing: str, device_ms: float = 0.0):
         super().__init__(settings, folder, say)
         self.slicing = slicing
+        self.device_ms = device_ms
 
     def spawn(self, argv: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen:
-        if log.name.startswith("rank-"):
+        if log.name.startswith("rank-") and self.device_ms:
+            argv = [*argv, "--device-ms", str(self.device_ms)]
+        elif log.name.startswith("rank-"):
             rank = int(log.stem.removeprefix("rank-"))
             device = int(base.placement(self.s.world_size, self.s.proxies)[rank].removeprefix("p"))
             argv = ["taskset", "--cpu-list", str(device), *argv]
@@ -121,7 +130,10 @@ def summarize(runs: Sequence[tuple[int, str, base.Run]], world_size: int) -> lis
 
 
 def format_report(meta: Mapping[str, object], rows: Sequence[Row]) -> str:
-    lines = ["# Elastic sizes: one job's N ranks on M devices", ""]
+    title = "# Elastic sizes: one job's N ranks on M devices"
+    if float(meta.get("device ms", 0) or 0):
+        title += f" (emulated: {meta['device ms']} ms of device time per forward pass)"
+    lines = [title, ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += ["", "| devices | ranks per device | ranks sharing a device | step (ms) | slowdown vs most "
               "devices | ideal | time-slicing overhead | turns vs concurrent |", "|---" * 8 + "|"]
@@ -150,9 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, default=int(env("world_size", 4)), help="ranks (N)")
     parser.add_argument("--devices", default=env("devices", "4,2,1"),
                         help="device counts (M) to run the N ranks on, comma-separated; each divides N")
-    parser.add_argument("--slicing", default=env("slicing", f"{CONCURRENT},{TURNS}"),
+    parser.add_argument("--slicing", default=os.environ.get("BENCH_SLICING"),
                         help="how ranks sharing a device run (proxy.time_slicing), comma-separated: each "
-                             "is measured on every count with several ranks per device")
+                             f"is measured on every count with several ranks per device (default "
+                             f"{CONCURRENT},{TURNS}; {TURNS} with --device-ms)")
+    parser.add_argument("--device-ms", type=float, default=float(env("device_ms", 0.0)),
+                        help="emulate each device: every forward pass holds it this many ms without "
+                             "host CPU, ranks unpinned, taking turns (0: a device is a CPU its ranks are "
+                             "pinned to)")
     parser.add_argument("--hidden", type=int, default=int(env("hidden", 256)), help="MLP width")
     parser.add_argument("--layers", type=int, default=int(env("layers", 3)), help="hidden Linear layers")
     parser.add_argument("--batch", type=int, default=int(env("batch", 64)), help="samples per rank and step")
@@ -183,14 +200,22 @@ def main(argv: list[str] | None = None) -> int:
         if not devices or any(d < 1 or args.world_size % d for d in devices):
             raise base.BenchmarkError(f"--devices {args.devices}: each count must divide --world-size "
                                       f"{args.world_size}")
-        slicings = list(dict.fromkeys(m.strip() for m in args.slicing.split(",") if m.strip()))
+        slicing = args.slicing or (TURNS if args.device_ms else f"{CONCURRENT},{TURNS}")
+        slicings = list(dict.fromkeys(m.strip() for m in slicing.split(",") if m.strip()))
         if not slicings or any(m not in (CONCURRENT, TURNS) for m in slicings):
-            raise base.BenchmarkError(f"--slicing {args.slicing!r}: give {CONCURRENT}, {TURNS} or both")
+            raise base.BenchmarkError(f"--slicing {slicing!r}: give {CONCURRENT}, {TURNS} or both")
+        if not 0 <= args.device_ms <= 10_000:
+            raise base.BenchmarkError(f"--device-ms {args.device_ms:g}: give 0 (off) up to 10000")
+        if args.device_ms and CONCURRENT in slicings:
+            raise base.BenchmarkError(f"--slicing {CONCURRENT} with --device-ms: an emulated device's "
+                                      "time is a sleep, and side by side the sleeps of its ranks would "
+                                      f"overlap, as no device's work does: use --slicing {TURNS}")
         cpus = len(os.sched_getaffinity(0))
-        if max(devices) > cpus:
+        if max(devices) > cpus and not args.device_ms:
             raise base.BenchmarkError(f"{max(devices)} devices need {max(devices)} CPUs to pin their ranks "
-                                      f"to; this machine gives {cpus}: use --devices up to {cpus}")
-        if shutil.which("taskset") is None:
+                                      f"to; this machine gives {cpus}: use --devices up to {cpus}, or "
+                                      "emulate the devices with --device-ms")
+        if shutil.which("taskset") is None and not args.device_ms:
             raise base.BenchmarkError("taskset (util-linux) is missing: it pins each device's ranks to a CPU")
         settings = base.Settings(args.world_size, max(devices), (args.hidden,), args.layers, args.batch,
                                  args.steps, args.warmup, 0, args.rounds, 25.0, args.run_timeout,
@@ -212,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": stamp, "host": socket.gethostname(), "cpus": cpus, "commit": base._git_commit(),
             "python": platform.python_version(), "torch": torch.__version__,
             "world size": args.world_size, "devices": ",".join(map(str, devices)),
-            "slicing": ",".join(slicings), "hidden": args.hidden,
+            "slicing": ",".join(slicings), "device ms": f"{args.device_ms:g}",
+            "devices are": f"emulated ({args.device_ms:g} ms per forward pass, ranks unpinned)"
+            if args.device_ms else "CPUs (each device's ranks pinned to one)", "hidden": args.hidden,
             "layers": args.layers, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
             "rounds": args.rounds, "load average before": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     signal.signal(signal.SIGTERM, base._interrupted)
@@ -224,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         planned = plan(devices, args.rounds, args.world_size, slicings)
         for i, (rnd, count, mode) in enumerate(planned, 1):
             runner = PinnedRunner(dataclasses.replace(settings, proxies=count),
-                                  workdir / f"m{count}-{mode.strip('-') or 'alone'}", base._say, mode)
+                                  workdir / f"m{count}-{mode.strip('-') or 'alone'}", base._say, mode,
+                                  args.device_ms)
             runners.append(runner)
             run = runner.run(rnd, args.hidden, base.PROXY, 1)
             runs.append((count, mode, run))

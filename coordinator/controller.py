@@ -5,8 +5,11 @@ accounting), asks `sla.policy.decide` what to do, carries out what it may, and w
 decision with its reason and outcome to Redis (`singularityctl sla --actions`):
 
 - Protect / Unprotect: the job joins (leaves) the protected set: it is never shrunk, nor taken as
-  room for another job, while it is in it. (Slurm's own preemption of a running job cannot be held
-  off by a job update: 22.05 refuses a QOS or partition change of a job that is not pending.)
+  room for another job, while it is in it. With `--actuate` (and `sla.protect_nodes`), while a
+  protected job runs its nodes are reserved for root (`sla.reserve`): Slurm's own preemption cannot
+  take them for another job. (It cannot be held off by a job update: 22.05 refuses a QOS or
+  partition change of a job that is not pending.) Each reservation ends `hold_s` ahead and is
+  extended every look, so a controller that stops lets its protections lapse.
 - Grow / Shrink: with `--actuate`, a `resize` request, signed with munge as root and sent through
   Redis to the job's node agent, exactly as `singularityctl resize` sends it for an admin;
   without, the decision is logged as advice.
@@ -37,7 +40,7 @@ import redis
 
 from singularity_slurm.config import Config, load
 from singularity_slurm.errors import SingularityError
-from singularity_slurm.sla import fleet, policy, report
+from singularity_slurm.sla import fleet, policy, report, reserve
 from singularity_slurm.sla.accounting import FLOORS, attainment
 from singularity_slurm.slurmcli import SlurmClient
 
@@ -84,6 +87,7 @@ class Gathered:
     slurm: dict[int, dict[str, str]]  # the Singularity jobs Slurm knows, by id
     records: dict[int, dict]  # their registry records
     gpus_per_node: int  # the most devices a usable node has
+    reserved: dict[str, reserve.Held]  # the reservations of protected jobs' nodes, by name
 
 
 def gpus_per_node(sinfo: str) -> int:
@@ -100,8 +104,9 @@ class Controller:
     def __init__(self, config: Config, client: redis.Redis, slurm: SlurmClient, *, actuate: bool = False,
                  params: policy.Params | None = None, clock: Callable[[], float] = time.time,
                  send: Callable[[int, dict[str, Any], str], dict] | None = None, metrics: Any = None,
-                 window: float | None = None):
+                 window: float | None = None, hold_s: float = 300.0):
         self.config = config
+        self.hold_s = hold_s  # a protected job's node reservation ends this far ahead of each look
         self.window = float(window or config.sla.window_s)
         self.client = client
         self.slurm = slurm
@@ -123,11 +128,13 @@ class Controller:
                 if record is not None:
                     records[int(job["JobId"])] = record
         sinfo = self.slurm.run(SINFO).stdout
+        reserved = reserve.parse(self.slurm.run(reserve.LIST_ARGV).stdout)
         protected = {int(j) for j in self.client.smembers(keys.sla_protected()) if str(j).isdigit()}
-        snapshot = fleet.snapshot(slurm_jobs, records, fleet.idle_devices(sinfo), protected, now,
-                                  self.window, self.config.elastic.max_ranks_per_device,
-                                  self.config.tier_of_partition)
-        return Gathered(snapshot, {int(j["JobId"]): j for j in slurm_jobs}, records, gpus_per_node(sinfo))
+        idle = fleet.idle_devices(sinfo, reserve.closed_nodes(reserved))
+        snapshot = fleet.snapshot(slurm_jobs, records, idle, protected, now, self.window,
+                                  self.config.elastic.max_ranks_per_device, self.config.tier_of_partition)
+        return Gathered(snapshot, {int(j["JobId"]): j for j in slurm_jobs}, records, gpus_per_node(sinfo),
+                        reserved)
 
     def tick(self, leading: Callable[[], bool] = lambda: True) -> list[dict[str, Any]]:
         """One look at the cluster: the decisions, each as logged (with its outcome). `leading` is
@@ -146,6 +153,8 @@ class Controller:
                             len(actions) - len(done))
                 break
             done.append(self.apply(action, gathered))
+        if self.reserving and leading():
+            self.hold_nodes(gathered)
         if self.metrics is not None:
             self.metrics.observe(gathered, done, self.client, self.window)
         return done
@@ -156,7 +165,9 @@ class Controller:
                                  "job_id": job_id, "reason": action.reason}
         if isinstance(action, policy.Protect):
             self.client.sadd(keys.sla_protected(), job_id)
-            entry["outcome"] = "protected: not shrunk, nor taken as room for another job"
+            entry["outcome"] = "protected: not shrunk, nor taken as room for another job" + (
+                f"; its nodes reserved while it runs ({reserve.name_of(job_id)})"
+                if self.reserving and self._preemptible(job_id, gathered) else "")
         elif isinstance(action, policy.Unprotect):
             self.client.srem(keys.sla_protected(), job_id)
             entry["outcome"] = "no longer protected"
@@ -171,6 +182,36 @@ class Controller:
         pipe.ltrim(keys.sla_actions(), -ACTIONS_KEPT, -1)
         pipe.execute()
         return entry
+
+    @property
+    def reserving(self) -> bool:
+        """Protected jobs' nodes are held by reservations (acting, and the site allows it)."""
+        return self.actuate and self.config.sla.protect_nodes
+
+    def _preemptible(self, job_id: int, gathered: Gathered) -> bool:
+        """A job of a tier below the highest (tiers are configured highest first): another tier's
+        jobs may preempt it, so its protection needs its nodes reserved."""
+        tier = self.config.tier_of_partition(gathered.slurm.get(job_id, {}).get("Partition"))
+        return tier is not None and tier != next(iter(self.config.tiers), None)
+
+    def hold_nodes(self, gathered: Gathered) -> list[reserve.Step]:
+        """Make, extend, move or delete the protected jobs' reservations to match who is protected
+        and running now; a step Slurm refuses is logged and tried again at the next look."""
+        protected = {int(j) for j in self.client.smembers(keys.sla_protected())
+                     if str(j).isdigit() and self._preemptible(int(j), gathered)}
+        steps = reserve.plan(reserve.wanted_for(protected, gathered.slurm), gathered.reserved)
+        done = []
+        for step in steps:
+            proc = self.slurm.run(reserve.argv(step, int(self.hold_s)), check=False)
+            if proc.returncode != 0:
+                LOG.warning("%s: Slurm refused it: %s", " ".join(reserve.argv(step, int(self.hold_s))),
+                            (proc.stderr or proc.stdout).strip())
+                continue
+            done.append(step)
+            if not isinstance(step, reserve.Extend):
+                LOG.info("%s %s%s", "reserved" if isinstance(step, reserve.Create) else "released",
+                         step.name, f" on {step.nodes}" if isinstance(step, reserve.Create) else "")
+        return done
 
     def _resize(self, job_id: int, devices: int, gathered: Gathered) -> str:
         job = gathered.slurm.get(job_id, {})
@@ -314,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease", type=float, default=None,
                         help="seconds the leader lease lasts unless extended (default 3 periods)")
     parser.add_argument("--actuate", action="store_true",
-                        help="carry out grows and shrinks (resize requests); without, they are logged "
-                             "as advice")
+                        help="carry out grows and shrinks (resize requests) and reserve protected "
+                             "running jobs' nodes (sla.protect_nodes); without, they are logged as advice")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on this port")
     parser.add_argument("--metrics-address", default="127.0.0.1", help="address to serve them on (127.0.0.1)")
@@ -350,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics = Metrics()
         metrics.serve(args.metrics_port, args.metrics_address)
     controller = Controller(config, client, SlurmClient(), actuate=args.actuate, metrics=metrics,
-                            params=policy.Params(preemption_cost_s=args.preemption_cost), window=args.window)
+                            params=policy.Params(preemption_cost_s=args.preemption_cost), window=args.window,
+                            hold_s=max(60.0, 6 * args.period, lease_s))
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())

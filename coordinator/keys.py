@@ -115,6 +115,16 @@ def job_rendezvous(job_id_: int | str, generation_: str) -> str:
     return f"{PREFIX}:job:{job_id(job_id_)}:rdzv:{generation(generation_)}"
 
 
+def job_rendezvous_ready(job_id_: int | str, generation_: str) -> str:
+    """List: wake-ups for the proxies blocked on a rendezvous generation, pushed once all published."""
+    return f"{job_rendezvous(job_id_, generation_)}:ready"
+
+
+def job_rendezvous_woken(job_id_: int | str, generation_: str) -> str:
+    """String: set by the one proxy that pushes a rendezvous generation's wake-ups."""
+    return f"{job_rendezvous(job_id_, generation_)}:woken"
+
+
 def job_requests(job_id_: int | str) -> str:
     """List: admin requests for the job's node agent on its batch host, each a munge credential
     (see `commands`); short-lived."""

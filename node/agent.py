@@ -94,6 +94,8 @@ MAX_COMMON = 16
 """Generations a checkpoint request may name as committed on every node (the launcher sends a few)."""
 SETTLE_S = 40.0
 """The longest the Epilog waits for a checkpoint in progress before it stops the agent."""
+PRUNE_SETTLE_S = 3.0
+"""How long a stopping agent lets the retention of its last checkpoints run on."""
 RUN_KEY = re.compile(r"[0-9]{1,4}-[0-9a-f]{16}")
 _CALL = threading.local()  # per request thread: where to register callbacks for after the reply
 LOG = logging.getLogger("singularity.agent")
@@ -535,7 +537,8 @@ class AgentState:
     def op_settle(self, request: dict) -> dict:
         """Wait (at most `timeout` seconds) until no checkpoint is in progress. The Epilog asks before
         it stops the agent: a stop-checkpoint the launcher began at `scontrol requeue` is then
-        committed even where Slurm killed the launcher (after `KillWait`) while it ran."""
+        committed even where Slurm killed the launcher (after `KillWait`) while it ran; then, within
+        the same time, until the retention those checkpoints began has run."""
         timeout = request.get("timeout", SETTLE_S)
         if not isinstance(timeout, int | float) or not math.isfinite(timeout):
             raise RequestError("settle: timeout must be a number of seconds")
@@ -546,7 +549,10 @@ class AgentState:
                 if left <= 0:
                     break
                 self.lock.wait(left)
-            return {"state": str(self.state)}
+            state = str(self.state)
+        if self.engine is not None:
+            self.engine.settle(max(deadline - time.monotonic(), 0.0))
+        return {"state": state}
 
     def op_wait(self, request: dict) -> dict:
         with self.lock:
@@ -773,6 +779,9 @@ class AgentState:
             if self.state in (TreeState.RUNNING, TreeState.CHECKPOINTING) or pid in self.restoring:
                 _kill(pid)
         self.op_kill({})
+        if self.engine is not None and not self.engine.settle(PRUNE_SETTLE_S):
+            LOG.info("job %s node %s: stopping while old checkpoints are pruned; the store's next prune "
+                     "collects what is left", self.job_id, self.node)
 
 
 def replica_env(env: Mapping[str, str], threshold: int) -> dict[str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pwd
 import shutil
@@ -47,6 +48,7 @@ from singularity_slurm.slurmcli import SlurmClient
 from . import jobcgroup, jobtree, localfiles, restorecheck, runs, services
 from .userio import UserCreds
 
+LOG = logging.getLogger("singularity.engine")
 KEEP_CHECKPOINTS = 3
 PAGE_CHUNK = 4096
 """Process images are chunked by page: between two checkpoints a Python process changes single pages
@@ -141,6 +143,10 @@ class CheckpointEngine:
         # A node's trees are dumped at once but stored one after another: a rank stored after
         # another dedups against everything the other stored (the replicas' identical pages).
         self.upload_lock = threading.Lock()
+        # Retention runs after a checkpoint's answer (off the path to the requeue), under the upload
+        # lock, so no tree's writer of this node stores while it collects; shared by the trees.
+        self.pruning: list[threading.Thread] = []
+        self.pruning_lock = threading.Lock()
         self.restart: int | None = None  # the job's Slurm restart count when the agent started
         # anonymous device numbers the tree's earlier incarnations mounted (see checkpoint.anondev)
         self.devices: list[int] = []
@@ -263,11 +269,40 @@ class CheckpointEngine:
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        try:
-            self._prune(job_id, generation, run, common)
-        except SingularityError:
-            pass  # an old checkpoint left over costs space, not correctness
+        self._prune_later(job_id, generation, run, common)
         return summary
+
+    def _prune_later(self, job_id: int, generation: str | None, run: str | None,
+                     common: list[str] | None) -> None:
+        """Retention after the answer: a preempted job's requeue, and a distributed job's ranks waiting
+        at the cut, do not wait for older checkpoints to be deleted. An agent ended meanwhile (the
+        Epilog after a requeue) leaves at most unreferenced chunks behind, which the next prune or
+        the store sweep collects: the newest checkpoints are never among what it deletes."""
+
+        def prune() -> None:
+            with self.upload_lock:
+                try:
+                    self._prune(job_id, generation, run, common)
+                except SingularityError as exc:  # an old checkpoint left over costs space, not correctness
+                    LOG.warning("job %s rank %s: old checkpoints not pruned: %s", job_id, self.rank, exc)
+                except Exception:  # noqa: BLE001 - the checkpoint stands; retention is tried again next time
+                    LOG.exception("job %s rank %s: old checkpoints not pruned", job_id, self.rank)
+
+        thread = threading.Thread(target=prune, name=f"prune-{job_id}-{self.rank}", daemon=True)
+        with self.pruning_lock:
+            self.pruning[:] = [t for t in self.pruning if t.is_alive()]
+            self.pruning.append(thread)
+        thread.start()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for retention started by earlier checkpoints; True when none
+        is left running."""
+        deadline = time.monotonic() + timeout
+        with self.pruning_lock:
+            threads = list(self.pruning)
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        return not any(t.is_alive() for t in threads)
 
     def _prune(self, job_id: int, generation: str | None, run: str | None, common: list[str] | None) -> None:
         """Keep the newest checkpoints; of a multi-node job, never the last generation every node has.

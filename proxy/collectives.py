@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -27,22 +28,27 @@ class Fabric(Protocol):
 
 @dataclass(frozen=True)
 class Group:
-    """A communicator as a proxy sees it: its members' proxies, in group-rank order."""
+    """A communicator as a proxy sees it: its members' proxies, in group-rank order. What the
+    collectives ask of it is computed once per group (a proxy keeps one per communicator and
+    generation), so an operation's control cost does not grow with the world size."""
 
     name: str
     owners: tuple[str, ...]  # owners[g] = proxy serving group rank g
 
+    @cached_property
+    def _members(self) -> dict[str, tuple[int, ...]]:
+        members: dict[str, list[int]] = {}
+        for g, owner in enumerate(self.owners):
+            members.setdefault(owner, []).append(g)
+        return {proxy: tuple(ranks) for proxy, ranks in members.items()}
+
     @property
     def proxies(self) -> list[str]:
         """Proxies with members, ordered by their first member."""
-        seen: list[str] = []
-        for proxy in self.owners:
-            if proxy not in seen:
-                seen.append(proxy)
-        return seen
+        return list(self._members)
 
-    def members_of(self, proxy: str) -> list[int]:
-        return [g for g, owner in enumerate(self.owners) if owner == proxy]
+    def members_of(self, proxy: str) -> tuple[int, ...]:
+        return self._members.get(proxy, ())
 
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -79,8 +85,8 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
             members = group.members_of(peer)
             data = np.frombuffer(fabric.take(f"{tag}:rs", peer), dtype=first.dtype)
             if data.size != len(members) * (hi - lo):
-                wrong.append(f"proxy {peer} sent {data.size} elements of chunk {me} for ranks {members}, "
-                             f"not {hi - lo} each")
+                wrong.append(f"proxy {peer} sent {data.size} elements of chunk {me} for ranks "
+                             f"{list(members)}, not {hi - lo} each")
                 data = np.zeros(len(members) * (hi - lo), dtype=first.dtype)
             for i, g in enumerate(members):
                 parts[g] = data[i * (hi - lo):(i + 1) * (hi - lo)]
@@ -167,7 +173,7 @@ def _at_root(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.nda
             members = group.members_of(peer)
             data = np.frombuffer(fabric.take(tag, peer), dtype=first.dtype)
             if data.size != first.size * len(members):
-                raise ValueError(f"proxy {peer} sent {data.size} elements for ranks {members}, "
+                raise ValueError(f"proxy {peer} sent {data.size} elements for ranks {list(members)}, "
                                  f"expected {first.size} each")
             for i, g in enumerate(members):
                 pieces[g] = data[i * first.size:(i + 1) * first.size]

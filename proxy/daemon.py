@@ -87,7 +87,7 @@ class Session:
     sock: socket.socket
     reader: wire.Reader
     region: Region | None = None
-    comms: dict[str, list[int]] = field(default_factory=dict)
+    comms: dict[str, int] = field(default_factory=dict)  # communicator -> this rank's place in it
 
 
 @dataclass
@@ -135,6 +135,7 @@ class Proxy:
         self.states: dict[int, RankState] = {}
         self.issued: dict[int, dict[str, int]] = {}
         self.comms: dict[str, list[int]] = {}
+        self.groups: dict[str, collectives.Group] = {}  # by communicator, for this generation's placement
         self.pending: dict[tuple[str, int], Pending] = {}
         self.phase = Phase.RUNNING
         self.targets: dict[str, int] = {}
@@ -161,6 +162,7 @@ class Proxy:
         with self.cond:
             self.generation = generation
             self.placement = dict(placement)
+            self.groups = {}
             self.local_ranks = [r for r in ranks if placement[r] == self.id]
             self.proxies = collectives.Group("world", tuple(placement[r] for r in ranks)).proxies
             self.leader = self.proxies[0] if self.proxies else None
@@ -383,11 +385,19 @@ class Proxy:
             known = self.comms.setdefault(comm, list(ranks))
             if known != list(ranks):
                 raise ProxyError(f"communicator {comm} has ranks {known}, rank {session.rank} says {ranks}")
-        session.comms[comm] = list(ranks)
+        if session.rank not in ranks:
+            raise ProxyError(f"communicator {comm}: rank {session.rank} registers it but is not among its "
+                             f"ranks {ranks}")
+        session.comms[comm] = ranks.index(session.rank)
 
     def group(self, comm: str) -> collectives.Group:
-        ranks = self.comms[comm]
-        return collectives.Group(comm, tuple(self.placement[r] for r in ranks))
+        """The communicator's group in this generation's placement (made once: see Group)."""
+        group = self.groups.get(comm)
+        if group is None:
+            with self.cond:
+                group = self.groups[comm] = collectives.Group(comm, tuple(self.placement[r]
+                                                                          for r in self.comms[comm]))
+        return group
 
     # --- turns on the device -----------------------------------------------------------------------
 
@@ -441,7 +451,7 @@ class Proxy:
         comm = str(message["comm"])
         if comm not in session.comms:
             raise ProxyError(f"communicator {comm} was not registered")
-        me = session.comms[comm].index(session.rank)
+        me = session.comms[comm]
         op = message["op"]
         if op == "send":
             return barrier.p2p_channel(comm, me, int(message["peer"])), me

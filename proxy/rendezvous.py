@@ -51,10 +51,19 @@ def _reachable(job_id: int | str, generation: str) -> Iterator[None]:
 
 
 class RedisRendezvous:
+    """The rendezvous in the coordinator's Redis, without polling every record: a proxy waiting for
+    its peers asks only how many have published (HLEN, O(1)) and otherwise blocks on the
+    generation's wake-up list (BLPOP, in slices shorter than the client's socket timeout). The first
+    proxy to find everyone published pushes one wake-up per proxy (once: a SET NX decides who), and
+    every proxy reads the whole record once. A rendezvous of P proxies thus costs O(P) commands, not
+    O(P) per proxy per poll; a wake-up lost to a crash costs a slice, not the rendezvous."""
+
+    BLOCK_S = 2.0  # below registry.connect's 5 s socket timeout
+
     def __init__(self, client, job_id: int | str, poll_s: float = 0.05):
         self.client = client
         self.job_id = job_id
-        self.poll_s = poll_s
+        self.poll_s = poll_s  # kept for callers that give it; the wait blocks instead of polling
 
     def publish(self, generation: str, proxy: str, host: str, port: int) -> str:
         with _reachable(self.job_id, generation):
@@ -73,20 +82,44 @@ class RedisRendezvous:
 
     def wait(self, generation: str, proxies: Iterable[str], timeout: float) -> dict[str, tuple[str, int]]:
         key = keys.job_rendezvous(self.job_id, generation)
+        ready = keys.job_rendezvous_ready(self.job_id, generation)
         wanted = {keys.proxy_id(p) for p in proxies}
         deadline = time.monotonic() + timeout
         while True:
             with _reachable(self.job_id, generation):
-                fetched = self.client.hgetall(key)
-            record = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fetched.items()}
-            found = {p: tuple(json.loads(record[f"proxy:{p}"])) for p in wanted if f"proxy:{p}" in record}
-            if len(found) == len(wanted):
-                return found  # type: ignore[return-value]
-            if time.monotonic() > deadline:
+                # the token and every wanted proxy: only then is the record worth reading
+                found = self._found(key, wanted) if self.client.hlen(key) > len(wanted) else {}
+                if len(found) == len(wanted):
+                    self._wake(generation, len(wanted))
+                    return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with _reachable(self.job_id, generation):
+                    found = self._found(key, wanted)
+                if len(found) == len(wanted):
+                    return found
                 missing = ", ".join(sorted(wanted - set(found)))
                 raise RendezvousError(f"proxies {missing} of job {self.job_id} did not publish generation "
                                       f"{generation} within {timeout:.0f}s")
-            time.sleep(self.poll_s)
+            with _reachable(self.job_id, generation):
+                self.client.blpop([ready], timeout=max(min(left, self.BLOCK_S), 0.01))
+
+    def _found(self, key: str, wanted: set[str]) -> dict[str, tuple[str, int]]:
+        fetched = self.client.hgetall(key)
+        record = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fetched.items()}
+        return {p: tuple(json.loads(record[f"proxy:{p}"])) for p in wanted  # type: ignore[misc]
+                if f"proxy:{p}" in record}
+
+    def _wake(self, generation: str, count: int) -> None:
+        """Wake every proxy blocked on the generation: the first to see it complete pushes a wake-up
+        for each (more than are blocked; the rest expire with the record)."""
+        ready = keys.job_rendezvous_ready(self.job_id, generation)
+        if self.client.set(keys.job_rendezvous_woken(self.job_id, generation), "1", nx=True,
+                           ex=RECORD_TTL_S):
+            pipe = self.client.pipeline()
+            pipe.rpush(ready, *(["1"] * count))
+            pipe.expire(ready, RECORD_TTL_S)
+            pipe.execute()
 
 
 class MemoryRendezvous:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from .accounting import FLOORS
 from .policy import JobView, Snapshot
@@ -31,9 +31,10 @@ def _gpus(gres: str) -> int:
     return total
 
 
-def idle_devices(sinfo: str) -> int:
+def idle_devices(sinfo: str, closed: Collection[str] = ()) -> int:
     """Free devices on usable nodes, from `sinfo -N -h -O NodeList:40,Gres:80,GresUsed:80,StateLong:40`
-    (a node listed once per partition counts once)."""
+    (a node listed once per partition counts once); none on `closed` nodes (reserved for a protected
+    job: no other job can get them)."""
     seen: dict[str, int] = {}
     for line in sinfo.splitlines():
         fields = line.split()
@@ -41,7 +42,7 @@ def idle_devices(sinfo: str) -> int:
             continue
         node, gres, used, state = fields[0], fields[1], fields[2], fields[3].lower()
         # a flag after the state: `*` not responding, `%`/`!` powering down, `@`/`^` rebooting
-        if state[-1:] in "*%!@^" or state.rstrip("~#$-") not in USABLE_STATES:
+        if state[-1:] in "*%!@^" or state.rstrip("~#$-") not in USABLE_STATES or node in closed:
             continue
         seen[node] = max(_gpus(gres) - _gpus(used), 0)
     return sum(seen.values())

@@ -136,6 +136,7 @@ class SlaConfig:
     """How the SLA tiers' guarantees are measured."""
 
     window_s: int = 3600  # the accounting window: each tier's GPU fraction is met (or not) per window
+    protect_nodes: bool = True  # an acting controller reserves a protected running job's nodes (sla.reserve)
 
 
 TIME_SLICING = ("auto", "turns", "concurrent")
@@ -254,6 +255,12 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                      "seconds of each SLA accounting window (10..86400): a job's GPU fraction (devices "
                      "held usefully / devices of its allocation) is measured, and its tier's floor met "
                      "or missed, window by window from its first eligibility"),
+    "sla.protect_nodes": (SlaConfig.protect_nodes, bool,
+                          "while the SLA controller (with --actuate) protects a running job, it keeps a "
+                          "reservation of the job's nodes for root (singularity_protect_<job>, ending a few "
+                          "of its periods ahead and extended every look), so Slurm's own preemption cannot "
+                          "take them for another job; the nodes' other devices stay closed meanwhile. "
+                          "false: protection only keeps the controller from shrinking the job"),
     "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
                        "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
                        "cluster"),
@@ -422,7 +429,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                           f"(glibc's bound), got {mmap_threshold}")
 
     sla_raw = data.get("sla", {})
-    _check_keys(sla_raw, {"window_s"}, "sla")
+    _check_keys(sla_raw, {"window_s", "protect_nodes"}, "sla")
     window_s = _take(sla_raw, "window_s", "sla", int, SlaConfig.window_s)
     if not 10 <= window_s <= 86400:
         raise ConfigError(f"sla.window_s must be 10..86400 seconds, got {window_s}")
@@ -450,7 +457,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         store=StoreConfig(**ages),
         elastic=ElasticConfig(drain_poll_s=drain_poll_s, max_ranks_per_device=max_per_device,
                               replica_mmap_threshold=mmap_threshold),
-        sla=SlaConfig(window_s=window_s),
+        sla=SlaConfig(window_s=window_s,
+                      protect_nodes=_take(sla_raw, "protect_nodes", "sla", bool, SlaConfig.protect_nodes)),
         testing=testing,
         source=source,
     )

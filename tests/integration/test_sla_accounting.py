@@ -6,7 +6,9 @@
 - a premium job P2 (one whole node) arrives while P1 runs: when P1 leaves, P2 takes one node and S
   and B share the other, B shrunk to 2 devices (2 ranks to a device);
 - the controller (running all along, `--actuate`) protects S once the preemption has left it short
-  of its floor, and when P2 departs grows B back to 4 devices (a resize through its node agent);
+  of its floor, reserving its node: a third premium job P3, which could take that node only by
+  preempting S, waits instead (cancelled before it runs); when P2 departs the controller grows B
+  back to 4 devices (a resize through its node agent); S's reservation goes with S's end;
 - a real Prometheus server (Debian's) scrapes the controller's metrics all along.
 
 S prints the time, from its own clock, every 20 ms it runs: the gaps in what it printed are exactly
@@ -41,8 +43,10 @@ from test_distributed import (
 )
 
 from singularity_slurm.coordinator import keys
-from singularity_slurm.sla import accounting, policy, sim
+from singularity_slurm.jobenv import expand_hostlist
+from singularity_slurm.sla import accounting, policy, reserve, sim
 from singularity_slurm.sla.trace import TraceJob
+from singularity_slurm.slurmcli import parse_time
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +86,8 @@ ONE_NODE = """#!/bin/bash
 #SBATCH -o one-node-%j.out
 sleep 600
 """
+
+ANOTHER_NODE = ONE_NODE.replace("one-node-%j", "another-node-%j")
 
 PROMETHEUS_CONFIG = """global:
   scrape_interval: 1s
@@ -158,6 +164,11 @@ def prometheus_query(port: int, query: str) -> dict[str, float]:
             for r in answer["data"]["result"]}
 
 
+def reservations() -> dict[str, reserve.Held]:
+    proc = subprocess.run(reserve.LIST_ARGV, capture_output=True, text=True, check=True)
+    return reserve.parse(proc.stdout)
+
+
 def logged(job_id: int) -> list[dict]:
     proc = subprocess.run([CTL, "sla", str(job_id), "--actions", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -203,6 +214,8 @@ def _controller(tmp_path):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
+        for name in reservations():  # a failed test's protections must not close nodes to later tests
+            subprocess.run(reserve.argv(reserve.Delete(name), 0), check=False)
         log.close()
         prom_log.close()
         shutil.rmtree(data, ignore_errors=True)
@@ -252,6 +265,28 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
     assert protected[0]["time"] > arrived, "protected before it lost anything"
     assert "standard job can lose only" in protected[0]["reason"], protected
     assert str(standard) in registry.redis.smembers(keys.sla_protected())
+    assert "its nodes reserved while it runs" in protected[0]["outcome"], protected
+
+    # its node is reserved for root, for a few minutes at a time (a stopped controller's lapse)
+    held = poll("the standard job's node reservation", lambda: reservations().get(reserve.name_of(standard)))
+    node = jobs.record(standard)["NodeList"]
+    assert set(expand_hostlist(held.nodes)) == set(expand_hostlist(node)), (held, node)
+    assert time.time() < parse_time(held.end) <= time.time() + 190, held
+    # so a premium job that could get that node only by preempting the standard job waits: Slurm
+    # tried it at its submission (which is when it preempts) and chose no victim
+    chosen = {victim: jobs.record(victim)["PreemptTime"] for victim in (standard, basic)}  # an earlier one
+    submitted = time.time()
+    another = jobs.submit(jobs.script("another-node.sh", ANOTHER_NODE))
+    tried = jobs.wait(another, lambda r: (parse_time(r.get("LastSchedEval")) or 0) >= int(submitted),
+                      "looked at by the scheduler")
+    assert tried["JobState"] == "PENDING", tried
+    for victim, before in chosen.items():
+        record = jobs.record(victim)
+        assert record["JobState"] == "RUNNING" and record["PreemptTime"] == before, record
+    subprocess.run(["scancel", str(another)], check=True)
+    jobs.wait_state(another, "CANCELLED", timeout=60)
+    assert not [e for e in registry.job(standard)["events"]
+                if e["event"] == "checkpoint" and e["time"] > submitted], "preempted while protected"
     assert not logged(basic), "the shrunk job grew while no device was idle"
 
     # the whole-node premium job departs: the controller grows the elastic job onto its devices
@@ -279,6 +314,7 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
     referee.shutdown()
     jobs.wait(standard, lambda r: "done" in tick_log.read_text(), "done", timeout=300)
     jobs.wait_state(standard, "COMPLETED", timeout=60)
+    poll("the ended job's reservation released", lambda: reserve.name_of(standard) not in reservations())
 
     # the standard job's windows: what `sla` reports against the job's own timeline, within 1%
     proc = run_as("root", [CTL, "sla", str(standard), "--window", str(WINDOW_S), "--json"])

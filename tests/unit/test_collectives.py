@@ -14,6 +14,7 @@ import pytest
 
 from singularity_slurm.proxy import collectives
 from singularity_slurm.proxy.collectives import Group, allgather, allreduce, broadcast, chunk_bounds
+from singularity_slurm.proxy.daemon import Proxy
 from singularity_slurm.proxy.hal import (
     BFLOAT16,
     MIN_REGION,
@@ -147,9 +148,10 @@ def test_group_proxies_are_ordered_by_their_first_member() -> None:
     group = Group("world", ("b", "a", "b", "c", "a"))
 
     assert group.proxies == ["b", "a", "c"]
-    assert group.members_of("a") == [1, 4]
-    assert group.members_of("b") == [0, 2]
-    assert group.members_of("z") == []
+    assert group.members_of("a") == (1, 4)
+    assert group.members_of("b") == (0, 2)
+    assert group.members_of("z") == ()
+    assert group.members_of("a") is group.members_of("a")  # made once per group
 
 
 # --- allreduce ------------------------------------------------------------------------------------
@@ -512,3 +514,13 @@ def test_allreduce_of_ranks_that_disagree_on_the_count_fails_on_every_proxy_with
              "[1], not 1 each",
         "b": "ranks disagree on the element count (3 here): proxy a sent 1 elements of chunk 0, not 2"}
     assert exchange.inbox == {}
+
+
+def test_a_proxy_makes_each_communicators_group_once_per_generation(tmp_path) -> None:
+    proxy = Proxy(1, 0, "n1/gpu0", HostBackend(), None, state_dir=tmp_path)
+    proxy.configure("1", {0: "n2/gpu0", 1: "n2/gpu1"})  # serves no rank of it: no socket, no mesh
+    proxy.comms["world"] = [0, 1]
+    first = proxy.group("world")
+    assert proxy.group("world") is first and first.owners == ("n2/gpu0", "n2/gpu1")
+    proxy.configure("2", {0: "n2/gpu0", 1: "n2/gpu0"})  # a new generation places the ranks anew
+    assert proxy.group("world").owners == ("n2/gpu0", "n2/gpu0")

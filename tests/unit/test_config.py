@@ -682,3 +682,18 @@ def test_the_replicas_mmap_threshold_defaults_to_128_kib_and_0_turns_it_off(valu
 def test_a_replicas_mmap_threshold_glibc_would_not_take_is_refused(value) -> None:
     assert config_error({"elastic": {"replica_mmap_threshold": value}}) == (
         f"elastic.replica_mmap_threshold must be 0 or 4096..33554432 bytes (glibc's bound), got {value}")
+
+
+# --- the [sla] section ----------------------------------------------------------------------------
+
+
+def test_sla_defaults_to_hour_windows_and_protected_jobs_nodes_reserved() -> None:
+    assert (parse({}).sla.window_s, parse({}).sla.protect_nodes) == (3600, True)
+    assert KEYS["sla.protect_nodes"][0] is True
+    example = Path(__file__).parents[2] / "contrib" / "config" / "config.toml"
+    assert load(example).sla.protect_nodes is True
+
+
+def test_protect_nodes_can_be_turned_off_and_takes_only_a_bool() -> None:
+    assert parse({"sla": {"protect_nodes": False}}).sla.protect_nodes is False
+    assert "sla.protect_nodes" in config_error({"sla": {"protect_nodes": "no"}})

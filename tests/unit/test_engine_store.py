@@ -3,6 +3,7 @@ generation every node has; a restore takes only checkpoints of the job's own uid
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -147,3 +148,32 @@ def test_a_rank_prunes_only_its_own_checkpoints_in_the_shared_folder(tmp_path: P
 
     one._prune(JOB, None, RUN, common=None)  # a checkpoint without a generation keeps the newest few
     assert one.generations(JOB, RUN) == ["1.1"] and zero.generations(JOB, RUN) == ["1.2", "1.3"]
+
+
+def test_retention_runs_after_the_answer_under_the_upload_lock_and_settle_waits_for_it(
+        tmp_path: Path) -> None:
+    engine = engine_on(tmp_path, keep=1)
+    tree = copy.copy(engine)  # as for_tree makes a tree's engine
+    for i in range(3):
+        commit(engine, None, bytes([i]) * 4096)
+    with engine.upload_lock:  # a tree of the node is storing: retention waits for it
+        tree._prune_later(JOB, None, None, None)
+        assert not engine.settle(0.05)
+        assert len(engine.store.list(JOB)) == 3
+    assert engine.settle(10)  # the trees share the list the agent waits on
+    assert [m.seq for m in engine.store.list(JOB)] == [3]
+
+
+def test_retention_that_fails_leaves_the_checkpoints_and_is_logged(tmp_path: Path, caplog) -> None:
+    engine = engine_on(tmp_path, keep=1)
+    for i in range(2):
+        commit(engine, None, bytes([i]) * 4096)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    engine._prune = broken  # type: ignore[method-assign]
+    engine._prune_later(JOB, None, None, None)
+    assert engine.settle(10)
+    assert len(engine.store.list(JOB)) == 2
+    assert "old checkpoints not pruned" in caplog.text

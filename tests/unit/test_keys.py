@@ -12,6 +12,8 @@ def test_keys_of_valid_parts() -> None:
     assert keys.job(7) == keys.job("7") == "singularity:job:7"
     assert keys.job_node(7, "n1.cluster-a_2") == "singularity:job:7:node:n1.cluster-a_2"
     assert keys.job_rendezvous(7, "0.1764571234567890123") == "singularity:job:7:rdzv:0.1764571234567890123"
+    assert keys.job_rendezvous_ready(7, "0.1") == "singularity:job:7:rdzv:0.1:ready"
+    assert keys.job_rendezvous_woken(7, "0.1") == "singularity:job:7:rdzv:0.1:woken"
     assert keys.job_reply(7, "0123456789abcdef0123456789abcdef") == (
         "singularity:job:7:reply:0123456789abcdef0123456789abcdef")
     assert keys.proxy_id("n1/gpu0") == "n1/gpu0"

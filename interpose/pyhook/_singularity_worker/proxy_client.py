@@ -73,6 +73,12 @@ class ProxyClient:
         self.turns = False  # the ranks of this rank's device take turns (the latest hello's answer)
         os.register_at_fork(after_in_child=self._forget_in_child)
 
+    @property
+    def sliced(self) -> bool:
+        """Run operations synchronously: the device takes turns, or the rank is not connected (parked
+        at a cut, its next placement's answer not known yet: a restore may share its device)."""
+        return self.turns or self.sock is None
+
     # --- connection -------------------------------------------------------------------------------
 
     def _connect(self) -> None:

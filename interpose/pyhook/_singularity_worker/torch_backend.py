@@ -291,7 +291,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                     self._run("allreduce", work, reduce=reduce)
             return tensors
 
-        return _QUEUE.start(reduce_all, self.client.turns)
+        return _QUEUE.start(reduce_all, self.client.sliced)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -307,7 +307,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 self._call(message, [work], [work] if is_root else [])
             return tensors
 
-        return _QUEUE.start(run, self.client.turns)
+        return _QUEUE.start(run, self.client.sliced)
 
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
@@ -352,7 +352,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 out.copy_(flat[i].view(out.shape))
             return output_tensors
 
-        return _QUEUE.start(run, self.client.turns)
+        return _QUEUE.start(run, self.client.sliced)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         out = _one(output_tensors, "scatter")
@@ -368,7 +368,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 self._call(message, flat, [dst])
             return output_tensors
 
-        return _QUEUE.start(run, self.client.turns)
+        return _QUEUE.start(run, self.client.sliced)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         for out, inputs in _pairs(outputs, input_lists, "reduce_scatter"):
@@ -399,7 +399,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 self._call(message, [input.contiguous()], [dst])
             return [output]
 
-        return _QUEUE.start(run, self.client.turns)
+        return _QUEUE.start(run, self.client.sliced)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
@@ -422,7 +422,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 offset += out.numel()
             return output_tensors
 
-        return _QUEUE.start(run, self.client.turns)
+        return _QUEUE.start(run, self.client.sliced)
 
     # torch 2.13 reaches the single-tensor forms through these names.
     all_gather_single = _allgather_base
