@@ -7,6 +7,9 @@ Facts this relies on (verified on Debian 12, kernel 6.18, criu 4.1.1):
 - Every file the tree holds must have been opened inside its mount namespace; a descriptor inherited
   from outside names a mount criu cannot find ("Can't lookup mount=N for fd=0").
 - Restore needs `root="/"`: the namespace's root mount is the host's root, bound back in.
+- A mount of a file system criu does not know (the NVIDIA driver's folder, squashfs, on GPU machines)
+  fails the dump ("FS mnt ... unsupported") unless it is declared external: criu then records a key
+  for it, and a restore binds the restoring host's mount at that path (`external_mounts`).
 - Root may lack CAP_SYS_RESOURCE (some VMs and containers drop it); reading another user's limits
   then fails, so criu runs with the criu_prlimit shim preloaded (see shim/criu_prlimit.c).
 """
@@ -14,6 +17,7 @@ Facts this relies on (verified on Debian 12, kernel 6.18, criu 4.1.1):
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -103,6 +107,30 @@ def _log_tail(path: Path, lines: int = 12) -> str:
     return "\n".join((errors or text)[-lines:])
 
 
+def external_mounts(mountinfo: str, wanted: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """The mounts among `wanted` (absolute paths) that a tree's mount namespace has, by the key criu
+    gives them: {"ext0": "/usr/local/nvidia"}. `mountinfo` is /proc/PID/mountinfo of the tree's
+    init, read by root from the kernel (its mount points are escaped octal, as the kernel writes them)."""
+    present = set()
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            present.add(_unescape(fields[4]))
+    return {f"ext{index}": path for index, path in enumerate(p for p in wanted if p in present)}
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def dump_externals(mounts: dict[str, str]) -> list[str]:
+    return [f"mnt[{path}]:{key}" for key, path in mounts.items()]
+
+
+def restore_externals(mounts: dict[str, str]) -> list[str]:
+    return [f"mnt[{key}]:{path}" for key, path in mounts.items()]
+
+
 @dataclass(frozen=True)
 class DumpResult:
     images_dir: Path
@@ -141,7 +169,10 @@ class Criu:
         client.use_binary(str(self.binary))
         return pycriu, client
 
-    def dump(self, pid: int, images_dir: Path, leave_running: bool = False) -> DumpResult:
+    def dump(self, pid: int, images_dir: Path, leave_running: bool = False,
+             external: dict[str, str] | None = None) -> DumpResult:
+        """Dump the tree of `pid`; `external`: its mounts that criu records by key, not content
+        (see external_mounts)."""
         pycriu, client = self._client()
         images_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(images_dir, os.O_DIRECTORY)
@@ -152,6 +183,7 @@ class Criu:
             client.opts.log_file = "dump.log"
             client.opts.log_level = 4
             client.opts.file_locks = True
+            client.opts.external.extend(dump_externals(external or {}))
             _ignore_cgroups(client.opts)
             try:
                 client.dump()
@@ -163,13 +195,15 @@ class Criu:
             os.close(fd)
         return DumpResult(images_dir, pid, leave_running)
 
-    def restore(self, images_dir: Path, check: Callable[[int], str | None] | None = None) -> int:
+    def restore(self, images_dir: Path, check: Callable[[int], str | None] | None = None,
+                external: dict[str, str] | None = None) -> int:
         """Restore the tree as a child of this process; returns the pid of its root (the ns init).
 
         `check(root_pid)` runs once every task is restored but before any of them runs or gets the
         job's credentials back (criu's post-restore notification: the tasks still belong to root,
         so the job's user can neither signal, trace nor take descriptors from them). A message from
         it aborts the restore: criu kills the tree, and RestoreRefused carries the message.
+        `external`: the dump's external mounts (key -> path), bound from this host's same path.
         """
         pycriu, client = self._client()
         from pycriu import rpc_pb2 as rpc
@@ -184,6 +218,7 @@ class Criu:
         req.opts.rst_sibling = True
         req.opts.file_locks = True
         req.opts.notify_scripts = check is not None
+        req.opts.external.extend(restore_externals(external or {}))
         _ignore_cgroups(req.opts)
         root_pid = 0
         refusal: str | None = None

@@ -146,6 +146,8 @@ class Controller:
         if stale:
             self.client.srem(keys.sla_protected(), *stale)
         actions = policy.decide(gathered.snapshot, self.params)
+        if self.reserving and actions:  # the actions may take minutes: none of the holds lapses meanwhile
+            self.hold_nodes(gathered, extend_only=True)
         done = []
         for action in actions:
             if not leading():
@@ -194,12 +196,15 @@ class Controller:
         tier = self.config.tier_of_partition(gathered.slurm.get(job_id, {}).get("Partition"))
         return tier is not None and tier != next(iter(self.config.tiers), None)
 
-    def hold_nodes(self, gathered: Gathered) -> list[reserve.Step]:
+    def hold_nodes(self, gathered: Gathered, extend_only: bool = False) -> list[reserve.Step]:
         """Make, extend, move or delete the protected jobs' reservations to match who is protected
-        and running now; a step Slurm refuses is logged and tried again at the next look."""
+        and running now; a step Slurm refuses is logged and tried again at the next look. With
+        `extend_only`, only the holds that stay are extended (before a look's actions)."""
         protected = {int(j) for j in self.client.smembers(keys.sla_protected())
                      if str(j).isdigit() and self._preemptible(int(j), gathered)}
         steps = reserve.plan(reserve.wanted_for(protected, gathered.slurm), gathered.reserved)
+        if extend_only:
+            steps = [step for step in steps if isinstance(step, reserve.Extend)]
         done = []
         for step in steps:
             proc = self.slurm.run(reserve.argv(step, int(self.hold_s)), check=False)

@@ -884,6 +884,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--restart", type=int, default=None,
                         help="the job's Slurm restart count (fences out checkpoints of older restarts)")
+    parser.add_argument("--gpus", default="",
+                        help="the job's GPUs on this node as Slurm numbers them (0,1,...)")
     parser.add_argument("--no-engine", action="store_true",
                         help="serve ping/status only (no CRIU, no store)")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
@@ -905,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
 
         engine = CheckpointEngine.from_config(args.node, args.socket.parent)
         engine.restart = args.restart
+        engine.gpus = gpu_indices(args.gpus)
         cut_timeout = float(engine.config.proxy.cut_timeout)
         rank_dir = str(rank_socket_dir(engine.config.paths.state_dir))
     # Trees an earlier agent of the job started here and could not end (it was killed, and a later
@@ -925,6 +928,14 @@ def main(argv: list[str] | None = None) -> int:
         if commands is not None:
             commands.stop()
     return 0
+
+
+def gpu_indices(text: str) -> list[int]:
+    """--gpus 0,2 -> [0, 2] (the Prolog writes it from Slurm's record of the job)."""
+    items = [item for item in text.split(",") if item]
+    if not all(item.isdigit() for item in items):
+        raise SystemExit(f"singularity-node-agent: --gpus must list GPU numbers, got {text!r}")
+    return [int(item) for item in items]
 
 
 def admin_commands(state: AgentState, config: Config, slurm: SlurmClient) -> CommandServer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -12,18 +13,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from singularity_slurm import faults, rootexec
-from singularity_slurm.checkpoint import anondev, images
+from singularity_slurm.checkpoint import anondev, cuda, images
 from singularity_slurm.checkpoint.criu import (
     Criu,
     RestoreFailed,
     RestoreRefused,
+    external_mounts,
     filelog_shim_path,
     frozen_seconds,
     reap,
@@ -45,7 +47,7 @@ from singularity_slurm.interpose import filelog
 from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
-from . import jobcgroup, jobtree, localfiles, restorecheck, runs, services
+from . import gpus, jobcgroup, jobtree, localfiles, restorecheck, runs, services
 from .userio import UserCreds
 
 LOG = logging.getLogger("singularity.engine")
@@ -150,6 +152,7 @@ class CheckpointEngine:
         self.restart: int | None = None  # the job's Slurm restart count when the agent started
         # anonymous device numbers the tree's earlier incarnations mounted (see checkpoint.anondev)
         self.devices: list[int] = []
+        self.gpus: list[int] = []  # the job's GPUs on this node, as Slurm numbers them (the Prolog's)
 
     def for_tree(self, tree: int, rank: bool = False) -> CheckpointEngine:
         """This engine for one of the job's process trees: a rank of a `--world-size` job (`rank`),
@@ -269,20 +272,22 @@ class CheckpointEngine:
             raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        self._prune_later(job_id, generation, run, common)
+        self._prune_later(job_id, summary["seq"], generation, run, common)
         return summary
 
-    def _prune_later(self, job_id: int, generation: str | None, run: str | None,
+    def _prune_later(self, job_id: int, seq: int, generation: str | None, run: str | None,
                      common: list[str] | None) -> None:
         """Retention after the answer: a preempted job's requeue, and a distributed job's ranks waiting
         at the cut, do not wait for older checkpoints to be deleted. An agent ended meanwhile (the
         Epilog after a requeue) leaves at most unreferenced chunks behind, which the next prune or
-        the store sweep collects: the newest checkpoints are never among what it deletes."""
+        the store sweep collects: the newest checkpoints are never among what it deletes. Only
+        checkpoints older than the one committed (`seq`) are candidates: a later checkpoint that
+        commits before this prune gets the lock is not known to its choice of what to keep."""
 
         def prune() -> None:
             with self.upload_lock:
                 try:
-                    self._prune(job_id, generation, run, common)
+                    self._prune(job_id, generation, run, common, before=seq)
                 except SingularityError as exc:  # an old checkpoint left over costs space, not correctness
                     LOG.warning("job %s rank %s: old checkpoints not pruned: %s", job_id, self.rank, exc)
                 except Exception:  # noqa: BLE001 - the checkpoint stands; retention is tried again next time
@@ -304,25 +309,26 @@ class CheckpointEngine:
             thread.join(max(deadline - time.monotonic(), 0.0))
         return not any(t.is_alive() for t in threads)
 
-    def _prune(self, job_id: int, generation: str | None, run: str | None, common: list[str] | None) -> None:
+    def _prune(self, job_id: int, generation: str | None, run: str | None, common: list[str] | None,
+               before: int | None = None) -> None:
         """Keep the newest checkpoints; of a multi-node job, never the last generation every node has.
 
         Each node prunes its own part, so a node counting only its own checkpoints could drop the one
         generation the others still have (after a checkpoint that failed on some node): it keeps the
-        generations the launcher knows every node committed, and the one it just wrote.
+        generations the launcher knows every node committed, and the one it just wrote. With
+        `before`, nothing from that sequence number on is deleted.
         """
+        older = (lambda seq: True) if before is None else (lambda seq: seq < before)
         if generation is None:
-            if not self.shared:
-                self.store.prune(job_id, keep=self.keep)
-            else:  # the folder holds the other ranks' checkpoints too
-                own = [m.seq for m in self.store.list(job_id) if self.mine(run)(m)]
-                self.store.drop(job_id, own[:-self.keep])
+            own = [m.seq for m in self.store.list(job_id) if not self.shared or self.mine(run)(m)]
+            self.store.drop(job_id, [seq for seq in own[:-self.keep] if older(seq)])
             return
         if common is None:
             return
         keep = {generation, *newest_first(common)[:max(self.keep - 1, 1)]}
         doomed = [m.seq for m in self.store.list(job_id)
-                  if self.mine(run)(m) and m.meta.get("generation") and m.meta["generation"] not in keep]
+                  if self.mine(run)(m) and m.meta.get("generation") and m.meta["generation"] not in keep
+                  and older(m.seq)]
         if doomed:
             self.store.drop(job_id, doomed)
 
@@ -331,7 +337,9 @@ class CheckpointEngine:
                     size: dict[str, int] | None = None, cut_seconds: float | None = None) -> dict[str, Any]:
         output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
         faults.point(self.config, "dump", self.node)
-        self.criu.dump(init_pid, work, leave_running=not stop)
+        external = self._external_mounts(init_pid)
+        with self._gpu_state_out(init_pid, stop) as gpu_meta:
+            self.criu.dump(init_pid, work, leave_running=not stop, external=external)
         dumped = time.monotonic()
         frozen = frozen_seconds(work)
         devices = anondev.history(self.devices, anondev.checkpoint_devices(work))
@@ -346,6 +354,7 @@ class CheckpointEngine:
                     "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
                     "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
                     "anon_devs": devices, **({"placement": size} if size else {}),
+                    **({"external_mounts": external} if external else {}), **gpu_meta,
                 }, local.entries)
         finally:
             shutil.rmtree(copies, ignore_errors=True)
@@ -357,6 +366,41 @@ class CheckpointEngine:
             job_id, summary, stop=stop, dump_seconds=manifest.meta.get("dump_seconds"),
             frozen_seconds=frozen, cut_seconds=cut_seconds))
         return {**summary, "notices": local.notices} if local.notices else summary
+
+    def _external_mounts(self, init_pid: int) -> dict[str, str]:
+        try:
+            mountinfo = Path(f"/proc/{init_pid}/mountinfo").read_text()
+        except OSError as exc:
+            raise CheckpointError(f"cannot read the mounts of the job's tree (pid {init_pid}): "
+                                  f"{exc.strerror}") from exc
+        return external_mounts(mountinfo, self.config.gpu.external_mounts)
+
+    @contextlib.contextmanager
+    def _gpu_state_out(self, init_pid: int, stop: bool) -> Iterator[dict[str, Any]]:
+        """Around the dump: the GPU state of the tree's CUDA processes moved into their memory
+        (cuda.suspend), then back onto the GPU where the tree runs on (a periodic checkpoint, or a
+        dump that failed). Yields what the manifest records of it."""
+        tasks = cuda.gpu_tasks(jobcgroup.tree(init_pid))
+        if not tasks:
+            yield {}
+            return
+        driver = cuda.Driver(lock_timeout_ms=self.config.gpu.lock_timeout_s * 1000)
+        held = [gpu.record() for gpu in gpus.inventory(self.gpus or cuda.opened_gpus(tasks))]
+        inner = cuda.inner_pids(tasks)
+        cuda.suspend(driver, tasks)
+        try:
+            yield {"cuda": {"tasks": sorted(inner.values()), "gpus": held, "driver": driver.version}}
+        except BaseException:
+            self._gpu_back(driver, tasks)  # the dump failed: the job runs on, on its GPUs
+            raise
+        if not stop:
+            self._gpu_back(driver, tasks)
+
+    def _gpu_back(self, driver: cuda.Driver, tasks: list[int]) -> None:
+        try:
+            cuda.resume(driver, tasks)
+        except CheckpointError as exc:
+            LOG.error("job tree's CUDA processes %s could not resume on their GPUs: %s", tasks, exc)
 
     def _upload(self, job_id: int, work: Path, reason: str, meta: dict[str, Any],
                 extra: dict[str, Path]) -> Manifest:
@@ -460,10 +504,14 @@ class CheckpointEngine:
                         f"{problems[0]}{more}")
 
             faults.point(self.config, "restore", self.node)
+            gpu_plan = self._gpu_plan(manifest)
             devices = anondev.history(manifest.meta.get("anon_devs"), anondev.checkpoint_devices(image_dir))
             with anondev.reserved(devices, self.config.paths.state_dir / anondev.LOCK_NAME):
-                pid = self.criu.restore(image_dir, check=check)
+                pid = self.criu.restore(image_dir, check=check,
+                                        external=self._restore_mounts(manifest))
             self.devices = devices
+            if gpu_plan is not None:
+                self._gpu_state_in(pid, manifest, *gpu_plan)
             try:  # at once: the tree runs from here on
                 services.note_tree(self.run_dir, pid)
             except ServiceError:
@@ -477,6 +525,44 @@ class CheckpointEngine:
             shutil.rmtree(work, ignore_errors=True)
         localfiles.tell_job(creds, localfiles.output_of(pid), notices, f"{NOTICE}restore: ")
         return pid, notices
+
+    def _restore_mounts(self, manifest: Manifest) -> dict[str, str]:
+        """The dump's external mounts that this node's configuration still names (the manifest is
+        root's; a mount the admin has since removed from gpu.external_mounts is not bound)."""
+        recorded = manifest.meta.get("external_mounts") or {}
+        allowed = set(self.config.gpu.external_mounts)
+        return {key: path for key, path in recorded.items()
+                if isinstance(key, str) and key.startswith("ext") and key[3:].isdigit() and path in allowed}
+
+    def _gpu_plan(self, manifest: Manifest) -> tuple[cuda.Driver, list[cuda.GpuPair]] | None:
+        """For a checkpoint that holds GPU state: the driver, and the UUID pairs from the GPUs it
+        ran on to this job's here (refused, before anything is restored, where they do not fit)."""
+        record = manifest.meta.get("cuda")
+        if not record:
+            return None
+        try:
+            driver = cuda.Driver(lock_timeout_ms=self.config.gpu.lock_timeout_s * 1000)
+            old = [gpus.Gpu.of_record(item) for item in record.get("gpus", [])]
+            new = gpus.inventory(self.gpus or [gpu.index for gpu in old])
+            return driver, gpus.restore_pairs(old, new)
+        except CheckpointError as exc:
+            raise RestoreFailed(f"checkpoint {manifest.seq} holds GPU state: {exc}") from exc
+
+    def _gpu_state_in(self, pid: int, manifest: Manifest, driver: cuda.Driver,
+                      pairs: list[cuda.GpuPair]) -> None:
+        """The restored CUDA processes' GPU state back onto this job's GPUs, then their CUDA calls
+        let run; a failure kills the tree (its processes would wait forever)."""
+        wanted = set(manifest.meta["cuda"].get("tasks", []))
+        tasks = [host for host, inner in cuda.inner_pids(jobcgroup.tree(pid)).items() if inner in wanted]
+        try:
+            if len(tasks) != len(wanted):
+                raise CheckpointError(f"{len(wanted)} CUDA process(es) were checkpointed, {len(tasks)} "
+                                      "came back")
+            cuda.resume(driver, tasks, pairs)
+        except CheckpointError as exc:
+            jobtree.kill_tree(pid)
+            reap(pid)
+            raise RestoreFailed(f"the restored processes' GPU state could not be put back: {exc}") from exc
 
     # --- requeue ----------------------------------------------------------------------------------
 

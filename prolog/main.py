@@ -35,6 +35,9 @@ def agent_spec(job: JobContext, run_dir: Path) -> services.ServiceSpec:
     argv = [str(Path(sys.executable).with_name("singularity-node-agent")),
             "--job-id", str(job.job_id), "--uid", str(job.uid), "--node", job.node,
             "--socket", str(socket_path), "--restart", str(job.restart_count)]
+    gpus = [gpu for gpu in job.gpus if gpu.isdigit()]  # Slurm's numbers; a gres name is no GPU index
+    if gpus:
+        argv += ["--gpus", ",".join(gpus)]
     return services.ServiceSpec(AGENT, argv, ready_path=socket_path)
 
 

@@ -381,13 +381,15 @@ class Proxy:
     def _register_comm(self, session: Session, comm: str, ranks: Any) -> None:
         if not isinstance(ranks, list) or not all(isinstance(r, int) and r in self.placement for r in ranks):
             raise ProxyError(f"communicator {comm}: ranks must be ranks of the job, got {ranks!r}")
+        if len(set(ranks)) != len(ranks):
+            raise ProxyError(f"communicator {comm}: ranks {ranks} name a rank twice")
+        if session.rank not in ranks:  # checked first: a refused registration fixes nothing
+            raise ProxyError(f"communicator {comm}: rank {session.rank} registers it but is not among its "
+                             f"ranks {ranks}")
         with self.cond:
             known = self.comms.setdefault(comm, list(ranks))
             if known != list(ranks):
                 raise ProxyError(f"communicator {comm} has ranks {known}, rank {session.rank} says {ranks}")
-        if session.rank not in ranks:
-            raise ProxyError(f"communicator {comm}: rank {session.rank} registers it but is not among its "
-                             f"ranks {ranks}")
         session.comms[comm] = ranks.index(session.rank)
 
     def group(self, comm: str) -> collectives.Group:

@@ -132,6 +132,16 @@ class ElasticConfig:
 
 
 @dataclass(frozen=True)
+class GpuConfig:
+    """Checkpoints of jobs whose processes hold GPU state (the CUDA driver's checkpoint API)."""
+
+    # mounts a tree's namespace inherits that criu cannot dump and that every node has at the same
+    # path: recorded by key, bound from the restoring host (the NVIDIA driver's folder in containers)
+    external_mounts: tuple[str, ...] = ("/usr/local/nvidia",)
+    lock_timeout_s: int = 60  # how long the driver may wait for a process's CUDA calls to finish
+
+
+@dataclass(frozen=True)
 class SlaConfig:
     """How the SLA tiers' guarantees are measured."""
 
@@ -173,6 +183,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     sla: SlaConfig = field(default_factory=SlaConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
     source: Path | None = field(default=None, compare=False)
 
@@ -261,6 +272,11 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                           "of its periods ahead and extended every look), so Slurm's own preemption cannot "
                           "take them for another job; the nodes' other devices stay closed meanwhile. "
                           "false: protection only keeps the controller from shrinking the job"),
+    "gpu.external_mounts": (list(GpuConfig.external_mounts), list,
+                            "mounts criu records by path, not content, and a restore binds from the node "
+                            "(the driver's folder where a container runtime mounts it)"),
+    "gpu.lock_timeout_s": (GpuConfig.lock_timeout_s, int,
+                           "seconds the CUDA driver may take to stop a process's GPU work at a checkpoint"),
     "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
                        "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
                        "cluster"),
@@ -270,7 +286,7 @@ KEYS: dict[str, tuple[Any, type, str]] = {
 
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
 _SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store", "elastic",
-             "sla", "testing"}
+             "sla", "gpu", "testing"}
 _TIER_KEYS = {"partition", "checkpoint_interval_min"}
 _USER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\$?")
 """A POSIX user name (as useradd accepts it); `root` needs no entry."""
@@ -434,6 +450,16 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     if not 10 <= window_s <= 86400:
         raise ConfigError(f"sla.window_s must be 10..86400 seconds, got {window_s}")
 
+    gpu_raw = data.get("gpu", {})
+    _check_keys(gpu_raw, {"external_mounts", "lock_timeout_s"}, "gpu")
+    mounts = _take(gpu_raw, "external_mounts", "gpu", list, list(GpuConfig.external_mounts))
+    for mount in mounts:
+        if not isinstance(mount, str) or not mount.startswith("/") or "\n" in mount or " " in mount:
+            raise ConfigError(f"gpu.external_mounts must list absolute mount points, got {mount!r}")
+    lock_timeout_s = _take(gpu_raw, "lock_timeout_s", "gpu", int, GpuConfig.lock_timeout_s)
+    if not 1 <= lock_timeout_s <= 3600:
+        raise ConfigError(f"gpu.lock_timeout_s must be 1..3600 seconds, got {lock_timeout_s}")
+
     testing_raw = data.get("testing", {})
     _check_keys(testing_raw, {"faults"}, "testing")
     testing = TestingConfig(faults=_take(testing_raw, "faults", "testing", bool, False))
@@ -459,6 +485,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                               replica_mmap_threshold=mmap_threshold),
         sla=SlaConfig(window_s=window_s,
                       protect_nodes=_take(sla_raw, "protect_nodes", "sla", bool, SlaConfig.protect_nodes)),
+        gpu=GpuConfig(external_mounts=tuple(mounts), lock_timeout_s=lock_timeout_s),
         testing=testing,
         source=source,
     )

@@ -135,9 +135,19 @@ def test_warn_time_bounds_are_inclusive(warn_time: int) -> None:
 
 def test_unknown_top_level_section_lists_valid_sections() -> None:
     assert config_error({"tier": {}}) == (
-        "unknown key(s) in [top level]: tier; valid keys: admin, elastic, local_files, paths, preemption, "
-        "proxy, redis, sla, store, testing, tiers"
+        "unknown key(s) in [top level]: tier; valid keys: admin, elastic, gpu, local_files, paths, "
+        "preemption, proxy, redis, sla, store, testing, tiers"
     )
+
+
+def test_gpu_section_defaults_and_refusals() -> None:
+    assert parse({}).gpu.external_mounts == ("/usr/local/nvidia",)
+    assert parse({"gpu": {"external_mounts": []}}).gpu.external_mounts == ()
+    assert parse({"gpu": {"lock_timeout_s": 5}}).gpu.lock_timeout_s == 5
+    assert config_error({"gpu": {"external_mounts": ["usr/local/nvidia"]}}) == (
+        "gpu.external_mounts must list absolute mount points, got 'usr/local/nvidia'")
+    assert config_error({"gpu": {"lock_timeout_s": 0}}) == (
+        "gpu.lock_timeout_s must be 1..3600 seconds, got 0")
 
 
 def test_unknown_redis_key_lists_valid_redis_keys() -> None:

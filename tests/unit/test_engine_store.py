@@ -43,6 +43,25 @@ def test_a_node_keeps_the_generation_the_others_have_though_it_has_newer_ones(tm
     assert engine.store.latest_valid(JOB)[0].meta["generation"] == "1.5"
 
 
+def test_a_late_prune_never_deletes_a_checkpoint_newer_than_its_own(tmp_path: Path) -> None:
+    # Generation 1.2's prune was queued behind the upload lock while 1.3 committed: its choice of what
+    # to keep (1.2 and the common 1.1) does not know 1.3, which must stay all the same.
+    engine = engine_on(tmp_path, keep=2)
+    for i, generation in enumerate(["1.0", "1.1", "1.2", "1.3"]):
+        commit(engine, generation, bytes([i]) * 4096)
+    seq_of_12 = engine.store.list(JOB)[2].seq
+
+    engine._prune(JOB, "1.2", RUN, common=["1.1"], before=seq_of_12)
+    assert generations(engine) == ["1.1", "1.2", "1.3"]
+
+    plain = engine_on(tmp_path / "plain", keep=1)
+    for i in range(3):
+        commit(plain, None, bytes([i]) * 4096)
+    first = plain.store.list(JOB)[0].seq
+    plain._prune(JOB, None, RUN, common=None, before=first + 1)  # the prune of the first commit
+    assert len(plain.store.list(JOB)) == 2  # only the first went; the two that came later stay
+
+
 def test_restart_ten_is_kept_over_restart_nine(tmp_path: Path) -> None:
     engine = engine_on(tmp_path, keep=2)
     for i, generation in enumerate(["9.500", "10.100", "10.200"]):
@@ -157,7 +176,7 @@ def test_retention_runs_after_the_answer_under_the_upload_lock_and_settle_waits_
     for i in range(3):
         commit(engine, None, bytes([i]) * 4096)
     with engine.upload_lock:  # a tree of the node is storing: retention waits for it
-        tree._prune_later(JOB, None, None, None)
+        tree._prune_later(JOB, 3, None, None, None)
         assert not engine.settle(0.05)
         assert len(engine.store.list(JOB)) == 3
     assert engine.settle(10)  # the trees share the list the agent waits on
@@ -173,7 +192,7 @@ def test_retention_that_fails_leaves_the_checkpoints_and_is_logged(tmp_path: Pat
         raise RuntimeError("disk on fire")
 
     engine._prune = broken  # type: ignore[method-assign]
-    engine._prune_later(JOB, None, None, None)
+    engine._prune_later(JOB, 2, None, None, None)
     assert engine.settle(10)
     assert len(engine.store.list(JOB)) == 2
     assert "old checkpoints not pruned" in caplog.text

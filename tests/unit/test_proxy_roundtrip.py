@@ -721,3 +721,18 @@ def test_the_redis_rendezvous_turns_an_outage_into_a_rendezvous_error() -> None:
         rendezvous.publish("3", "n1/gpu0", "127.0.0.1", 4000)
     with pytest.raises(RendezvousError):
         rendezvous.wait("3", ["n1/gpu0"], timeout=5)
+
+
+def test_a_refused_communicator_registration_fixes_nothing(tmp_path) -> None:
+    from singularity_slurm.proxy.daemon import Session
+
+    proxy = Proxy(7, os.getuid(), "n1/cpu0", HostBackend(), lambda: None, state_dir=tmp_path)
+    proxy.placement = {0: "n1/cpu0", 1: "n1/cpu0", 2: "n1/cpu0"}
+    zero, two = (Session(rank, None, None) for rank in (0, 2))  # type: ignore[arg-type]
+    with pytest.raises(ProxyError, match="rank 2 registers it but is not among its ranks"):
+        proxy._register_comm(two, "pair", [0, 1])
+    with pytest.raises(ProxyError, match="name a rank twice"):
+        proxy._register_comm(zero, "pair", [0, 0, 1])
+    assert "pair" not in proxy.comms
+    proxy._register_comm(zero, "pair", [0, 2])  # what the refused ones said did not stick
+    assert proxy.comms["pair"] == [0, 2] and zero.comms == {"pair": 0}

@@ -1,0 +1,198 @@
+"""The GPU side of a checkpoint that needs no GPU: which processes hold GPU state, the driver calls
+that bring them to a state (pure plans), how a restore maps GPUs, and the mounts criu records by path.
+The calls themselves run on a GPU machine (tests/gpu/run.sh)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from singularity_slurm.checkpoint import cuda
+from singularity_slurm.checkpoint.criu import dump_externals, external_mounts, restore_externals
+from singularity_slurm.errors import CheckpointError
+from singularity_slurm.node import gpus
+from singularity_slurm.node.agent import gpu_indices
+from singularity_slurm.node.gpus import Gpu, GpuMismatch, restore_pairs
+
+# /proc/PID/maps of a CUDA process (abridged): device mappings, and libraries that only look alike
+CUDA_MAPS = """\
+200000000-200200000 ---p 00000000 00:00 0
+200600000-200800000 rw-s 00000000 00:06 1046                       /dev/nvidia0
+7f1c00000000-7f1c00200000 rw-s 00000000 00:06 1045                 /dev/nvidiactl
+7f1c10000000-7f1c10400000 r-xp 00000000 fe:10 311        /usr/local/nvidia/lib64/libnvidia-ptxjit.so.580
+7f1c20000000-7f1c20001000 rw-s 00000000 00:06 1047                 /dev/nvidia-uvm
+"""
+CHECKPOINTED_MAPS = """\
+7f1c10000000-7f1c10400000 r-xp 00000000 fe:10 311        /usr/local/nvidia/lib64/libnvidia-ptxjit.so.580
+7f1c30000000-7f1c30021000 rw-p 00000000 00:00 0                    [heap]
+7f1c40000000-7f1c40001000 rw-p 00000000 00:00 0                    /tmp/a file named /dev/nvidia0
+"""
+
+
+def test_a_process_holds_gpu_state_while_it_maps_a_device_file() -> None:
+    assert cuda.holds_device(CUDA_MAPS)
+    # after the driver's checkpoint only libraries remain; a path that merely contains the name
+    # (spaces are part of the path field) does not count
+    assert not cuda.holds_device(CHECKPOINTED_MAPS)
+    assert not cuda.holds_device("")
+
+
+def test_namespace_pid_is_the_innermost_one() -> None:
+    assert cuda.namespace_pid("Name:\tpython\nNSpid:\t975\t1\n") == 1
+    assert cuda.namespace_pid("NSpid:\t4242\n") == 4242
+    assert cuda.namespace_pid("Name:\tx\n") is None
+
+
+def test_device_indices_name_gpus_only() -> None:
+    targets = ["/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia0", "/dev/nvidia1",
+               "/dev/null", "socket:[123]", "/dev/nvidia-caps/nvidia-cap1"]
+    assert cuda.device_indices(targets) == [0, 1]
+
+
+def test_to_checkpointed_locks_every_process_before_saving_any() -> None:
+    plan = cuda.to_checkpointed({10: cuda.RUNNING, 11: cuda.RUNNING, 12: cuda.LOCKED, 13: cuda.CHECKPOINTED})
+    assert [(c.action, c.pid) for c in plan] == [
+        ("lock", 10), ("lock", 11), ("checkpoint", 10), ("checkpoint", 11), ("checkpoint", 12)]
+
+
+def test_to_running_restores_then_unlocks() -> None:
+    plan = cuda.to_running({10: cuda.CHECKPOINTED, 11: cuda.LOCKED, 12: cuda.RUNNING})
+    assert [(c.action, c.pid) for c in plan] == [("restore", 10), ("unlock", 10), ("unlock", 11)]
+
+
+def test_a_failed_state_is_refused_with_its_pids() -> None:
+    with pytest.raises(cuda.CudaCheckpointFailed, match="process\\(es\\) 7, 9 as failed"):
+        cuda.to_running({9: cuda.FAILED, 8: cuda.RUNNING, 7: cuda.FAILED})
+    with pytest.raises(cuda.CudaCheckpointFailed):
+        cuda.to_checkpointed({7: cuda.FAILED})
+
+
+class ScriptedDriver:
+    """Plays the driver's state machine for the sequencing tests (pure logic: no GPU, no process)."""
+
+    def __init__(self, states: dict[int, str], refuse: tuple[str, int] | None = None):
+        self.now = dict(states)
+        self.refuse = refuse
+        self.calls: list[tuple[str, int, tuple]] = []
+
+    def states(self, pids):
+        return {pid: self.now[pid] for pid in pids}
+
+    def call(self, call, pairs=()):
+        self.calls.append((call.action, call.pid, tuple(pairs)))
+        if (call.action, call.pid) == self.refuse:
+            name = call.action.capitalize()
+            raise cuda.CudaCheckpointFailed(f"cuCheckpointProcess{name}({call.pid}) failed")
+        after = {"lock": cuda.LOCKED, "checkpoint": cuda.CHECKPOINTED, "restore": cuda.LOCKED,
+                 "unlock": cuda.RUNNING}
+        self.now[call.pid] = after[call.action]
+
+
+def test_suspend_then_resume_round_trip() -> None:
+    driver = ScriptedDriver({1: cuda.RUNNING, 2: cuda.RUNNING})
+    cuda.suspend(driver, [1, 2])
+    assert driver.now == {1: cuda.CHECKPOINTED, 2: cuda.CHECKPOINTED}
+    pair = cuda.GpuPair("GPU-00000000-0000-0000-0000-000000000001",
+                        "GPU-00000000-0000-0000-0000-000000000002")
+    assert cuda.resume(driver, [1, 2], [pair]) == 2
+    assert driver.now == {1: cuda.RUNNING, 2: cuda.RUNNING}
+    assert ("restore", 1, (pair,)) in driver.calls
+
+
+def test_a_refused_checkpoint_puts_every_process_back_to_running() -> None:
+    driver = ScriptedDriver({1: cuda.RUNNING, 2: cuda.RUNNING}, refuse=("checkpoint", 2))
+    with pytest.raises(cuda.CudaCheckpointFailed, match="Checkpoint\\(2\\)"):
+        cuda.suspend(driver, [1, 2])
+    assert driver.now == {1: cuda.RUNNING, 2: cuda.RUNNING}
+
+
+def test_driver_without_bindings_names_the_fix(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda", None)  # `from cuda.bindings import driver` fails
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(cuda.CudaUnavailable, match="singularity-slurm\\[gpu\\]"):
+        cuda.Driver()
+
+
+def test_uuid_bytes() -> None:
+    assert cuda.uuid_bytes("GPU-a5c3924d-63ed-c3f1-7577-7955e543ac4d") == bytes.fromhex(
+        "a5c3924d63edc3f175777955e543ac4d")
+    with pytest.raises(ValueError, match="not a GPU UUID"):
+        cuda.uuid_bytes("GPU-1234")
+
+
+H200 = "NVIDIA H200"
+
+
+def gpu(index: int, uuid_tail: int, name: str = H200, problems: tuple[str, ...] = ()) -> Gpu:
+    return Gpu(index, f"GPU-00000000-0000-0000-0000-{uuid_tail:012d}", name, 143771, problems)
+
+
+def test_restore_on_the_same_gpus_needs_no_pairs() -> None:
+    assert restore_pairs([gpu(0, 1), gpu(1, 2)], [gpu(1, 2), gpu(0, 1)]) == []
+
+
+def test_restore_on_other_gpus_maps_them_in_index_order() -> None:
+    pairs = restore_pairs([gpu(1, 2), gpu(0, 1)], [gpu(2, 7), gpu(3, 8)])
+    assert [(p.old_uuid[-1], p.new_uuid[-1]) for p in pairs] == [("1", "7"), ("2", "8")]
+
+
+def test_restore_refuses_another_type_fewer_gpus_and_sick_ones() -> None:
+    with pytest.raises(GpuMismatch, match="ran on NVIDIA H200 and this job's GPU 0 is NVIDIA A100"):
+        restore_pairs([gpu(0, 1)], [gpu(0, 5, "NVIDIA A100")])
+    with pytest.raises(GpuMismatch, match="state of 2 GPU\\(s\\) but the job has 1.*--gpus-per-node=2"):
+        restore_pairs([gpu(0, 1), gpu(1, 2)], [gpu(0, 1)])
+    with pytest.raises(GpuMismatch, match="GPU 3 .* unhealthy: a row remapping failed"):
+        restore_pairs([gpu(0, 1)], [gpu(3, 4, problems=gpus.health_problems(0, False, True))])
+
+
+def test_health_problems_from_nvml_counters() -> None:
+    assert gpus.health_problems(None, None, None) == ()
+    assert gpus.health_problems(0, False, False) == ()
+    assert gpus.health_problems(3, True, False) == (
+        "3 uncorrected ECC errors since the driver loaded", "a row remapping is pending (reset the GPU)")
+
+
+def test_gpu_record_round_trip_and_malformed_records() -> None:
+    one = gpu(2, 9, problems=("x",))
+    assert Gpu.of_record(one.record()) == one
+    with pytest.raises(CheckpointError, match="malformed GPU record"):
+        Gpu.of_record({"index": 0, "uuid": "not-a-uuid", "name": H200, "memory_mib": 1})
+    with pytest.raises(CheckpointError, match="malformed GPU record"):
+        Gpu.of_record({"index": 0})
+
+
+MOUNTINFO = """\
+22 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+29 22 254:16 / /usr/local/nvidia ro,nosuid,nodev,relatime - squashfs /dev/vdb ro
+30 22 0:27 / /scratch\\040space rw - nfs4 srv:/scratch rw
+31 22 0:5 / /proc rw - proc proc rw
+"""
+
+
+def test_external_mounts_are_the_configured_ones_present() -> None:
+    assert external_mounts(MOUNTINFO, ["/usr/local/nvidia"]) == {"ext0": "/usr/local/nvidia"}
+    assert external_mounts(MOUNTINFO, ["/opt/absent", "/scratch space", "/usr/local/nvidia"]) == {
+        "ext0": "/scratch space", "ext1": "/usr/local/nvidia"}
+    assert external_mounts(MOUNTINFO, []) == {}
+    mounts = {"ext0": "/usr/local/nvidia"}
+    assert dump_externals(mounts) == ["mnt[/usr/local/nvidia]:ext0"]
+    assert restore_externals(mounts) == ["mnt[ext0]:/usr/local/nvidia"]
+
+
+def test_agent_gpu_indices() -> None:
+    assert gpu_indices("") == []
+    assert gpu_indices("0,2") == [0, 2]
+    with pytest.raises(SystemExit, match="--gpus must list GPU numbers"):
+        gpu_indices("0,gpu1")
+
+
+def test_prolog_hands_the_agent_slurms_gpu_numbers(tmp_path) -> None:
+    from singularity_slurm.jobenv import JobContext
+    from singularity_slurm.prolog.main import agent_spec
+
+    job = JobContext(job_id=7, user="alice", uid=1000, node="n1", partition="basic", tier="basic",
+                     gpus=["0", "2"], restart_count=0)
+    argv = agent_spec(job, tmp_path).argv
+    assert argv[argv.index("--gpus") + 1] == "0,2"
+    assert "--gpus" not in agent_spec(JobContext(**{**job.__dict__, "gpus": []}), tmp_path).argv
