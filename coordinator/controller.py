@@ -13,6 +13,8 @@ decision with its reason and outcome to Redis (`singularityctl sla --actions`):
 - Grow / Shrink: with `--actuate`, a `resize` request, signed with munge as root and sent through
   Redis to the job's node agent, exactly as `singularityctl resize` sends it for an admin;
   without, the decision is logged as advice.
+- Migrate (defragmentation): with `--actuate`, a `migrate` request away from the node, as
+  `singularityctl migrate JOBID --exclude NODE` sends it; the job stays off that node.
 
 Two copies are safe: a leader lease in Redis (`SET NX PX`, extended only by its holder) lets one
 decide; the other waits its turn. `--metrics-port` serves Prometheus metrics (`prometheus_client`).
@@ -103,7 +105,7 @@ def gpus_per_node(sinfo: str) -> int:
 class Controller:
     def __init__(self, config: Config, client: redis.Redis, slurm: SlurmClient, *, actuate: bool = False,
                  params: policy.Params | None = None, clock: Callable[[], float] = time.time,
-                 send: Callable[[int, dict[str, Any], str], dict] | None = None, metrics: Any = None,
+                 send: Callable[[int, str, dict[str, Any], str], dict] | None = None, metrics: Any = None,
                  window: float | None = None, hold_s: float = 300.0):
         self.config = config
         self.hold_s = hold_s  # a protected job's node reservation ends this far ahead of each look
@@ -130,9 +132,10 @@ class Controller:
         sinfo = self.slurm.run(SINFO).stdout
         reserved = reserve.parse(self.slurm.run(reserve.LIST_ARGV).stdout)
         protected = {int(j) for j in self.client.smembers(keys.sla_protected()) if str(j).isdigit()}
-        idle = fleet.idle_devices(sinfo, reserve.closed_nodes(reserved))
-        snapshot = fleet.snapshot(slurm_jobs, records, idle, protected, now, self.window,
-                                  self.config.elastic.max_ranks_per_device, self.config.tier_of_partition)
+        by_node = fleet.idle_by_node(sinfo, reserve.closed_nodes(reserved))
+        snapshot = fleet.snapshot(slurm_jobs, records, sum(by_node.values()), protected, now, self.window,
+                                  self.config.elastic.max_ranks_per_device, self.config.tier_of_partition,
+                                  by_node)
         return Gathered(snapshot, {int(j["JobId"]): j for j in slurm_jobs}, records, gpus_per_node(sinfo),
                         reserved)
 
@@ -173,12 +176,15 @@ class Controller:
         elif isinstance(action, policy.Unprotect):
             self.client.srem(keys.sla_protected(), job_id)
             entry["outcome"] = "no longer protected"
+        elif isinstance(action, policy.Migrate):
+            entry["node"] = action.node
+            entry["outcome"] = self._migrate(job_id, action.node, gathered)
         else:
             entry["devices"] = action.devices
             entry["outcome"] = self._resize(job_id, action.devices, gathered)
         LOG.info("%s job %s%s: %s (%s)", entry["action"], job_id,
-                 f" to {entry['devices']} device(s)" if "devices" in entry else "", entry["outcome"],
-                 entry["reason"])
+                 f" to {entry['devices']} device(s)" if "devices" in entry
+                 else f" off {entry['node']}" if "node" in entry else "", entry["outcome"], entry["reason"])
         pipe = self.client.pipeline()
         pipe.rpush(keys.sla_actions(), json.dumps(entry))
         pipe.ltrim(keys.sla_actions(), -ACTIONS_KEPT, -1)
@@ -228,17 +234,32 @@ class Controller:
             return "not done: Slurm shows no batch host for the job"
         nodes, per = fleet.size_for(devices, per_node)
         try:
-            reply = self.send(job_id, {"nodes": [nodes, nodes], "gpus_per_node": per}, host)
+            reply = self.send(job_id, "resize", {"nodes": [nodes, nodes], "gpus_per_node": per}, host)
         except SingularityError as exc:
             return f"failed: {exc}"
         if not reply.get("ok"):
             return f"refused: {reply.get('error')}"
         return f"resized: checkpoint {reply.get('seq')} taken, requeued for {nodes} node(s) x {per} device(s)"
 
-    def _send(self, job_id: int, args: dict[str, Any], host: str) -> dict:
-        """A resize request; the wait for its answer stays well inside the lease (the request may
-        still be carried out after it: the next look sees the job's new size)."""
-        request = new_request(job_id, "resize", args)
+    def _migrate(self, job_id: int, node: str, gathered: Gathered) -> str:
+        host = gathered.slurm.get(job_id, {}).get("BatchHost")
+        if not self.actuate:
+            return "advised (the controller runs without --actuate)"
+        if not host:
+            return "not done: Slurm shows no batch host for the job"
+        try:
+            reply = self.send(job_id, "migrate", {"exclude": [node]}, host)
+        except SingularityError as exc:
+            return f"failed: {exc}"
+        if not reply.get("ok"):
+            return f"refused: {reply.get('error')}"
+        taken = f"checkpoint {reply['seq']} taken" if reply.get("seq") is not None else "checkpointed"
+        return f"migrated: {taken}, requeued away from {node}"
+
+    def _send(self, job_id: int, op: str, args: dict[str, Any], host: str) -> dict:
+        """A resize or migrate request; the wait for its answer stays well inside the lease (the
+        request may still be carried out after it: the next look sees the job's new size or place)."""
+        request = new_request(job_id, op, args)
         return CommandClient(self.client).send(request, where=host, say=lambda text: LOG.info("%s", text),
                                                pickup_timeout=SEND_PICKUP_S, timeout=SEND_TIMEOUT_S)
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 
 from .accounting import FLOORS
-from .policy import JobView, Snapshot
+from .policy import JobView, NodeView, Snapshot
 from .report import job_sla
 
 USABLE_STATES = {"idle", "mixed", "allocated"}
@@ -35,6 +35,11 @@ def idle_devices(sinfo: str, closed: Collection[str] = ()) -> int:
     """Free devices on usable nodes, from `sinfo -N -h -O NodeList:40,Gres:80,GresUsed:80,StateLong:40`
     (a node listed once per partition counts once); none on `closed` nodes (reserved for a protected
     job: no other job can get them)."""
+    return sum(idle_by_node(sinfo, closed).values())
+
+
+def idle_by_node(sinfo: str, closed: Collection[str] = ()) -> dict[str, int]:
+    """`idle_devices` node by node (usable nodes only)."""
     seen: dict[str, int] = {}
     for line in sinfo.splitlines():
         fields = line.split()
@@ -45,7 +50,7 @@ def idle_devices(sinfo: str, closed: Collection[str] = ()) -> int:
         if state[-1:] in "*%!@^" or state.rstrip("~#$-") not in USABLE_STATES or node in closed:
             continue
         seen[node] = max(_gpus(gres) - _gpus(used), 0)
-    return sum(seen.values())
+    return seen
 
 
 def size_for(devices: int, gpus_per_node: int) -> tuple[int, int]:
@@ -59,10 +64,12 @@ def size_for(devices: int, gpus_per_node: int) -> tuple[int, int]:
 
 def snapshot(slurm_jobs: Iterable[Mapping[str, str]], records: Mapping[int, dict], idle: int,
              protected: Iterable[int], now: float, window: float, max_ranks_per_device: int,
-             tier_of_partition) -> Snapshot:
+             tier_of_partition, idle_nodes: Mapping[str, int] | None = None) -> Snapshot:
     """The controller's view: every running or pending Singularity job Slurm knows, with its slack
     from the registry's accounting; a distributed job (its registry shows a size) is elastic down
-    to the devices its ranks fit on (`max_ranks_per_device` to a device)."""
+    to the devices its ranks fit on (`max_ranks_per_device` to a device). With `idle_nodes`
+    (`idle_by_node`), the per-node view too: where each running job holds its devices, and the
+    shape (nodes x devices per node) each pending job needs to start."""
     protected = set(protected)
     views = []
     for job in slurm_jobs:
@@ -86,9 +93,31 @@ def snapshot(slurm_jobs: Iterable[Mapping[str, str]], records: Mapping[int, dict
             had = current.fraction * (current.end - current.start)
             slack = had + left - FLOORS[tier] * window
         submitted = float(record.get("eligible_at") or 0.0) if record else 0.0
+        where, shape = _placement(job, held) if idle_nodes is not None else ((), None)
         views.append(JobView(str(job_id), tier, max(requested, 1), max(fewest, 1), held, slack, left,
-                             job_id in protected, submitted))
-    return Snapshot(idle, tuple(views))
+                             job_id in protected, submitted, where, shape))
+    nodes = tuple(NodeView(name, free) for name, free in sorted((idle_nodes or {}).items()))
+    return Snapshot(idle, tuple(views), nodes)
+
+
+def _placement(job: Mapping[str, str],
+               held: int) -> tuple[tuple[tuple[str, int], ...], tuple[int, int] | None]:
+    """A running job's devices by node (every node of its list the same count, as Slurm asks per
+    node); a pending job's (nodes, devices per node). Unknown parts are empty."""
+    from singularity_slurm.jobenv import expand_hostlist
+    from singularity_slurm.slurmcli import parse_gpu_count
+
+    per_node = parse_gpu_count(dict(job))
+    if per_node <= 0:
+        return (), None
+    if held:
+        try:
+            nodes = expand_hostlist(job.get("NodeList", ""))
+        except ValueError:
+            return (), None
+        return tuple((node, per_node) for node in nodes), None
+    count = job.get("NumNodes", "")
+    return (), ((int(count), per_node) if count.isdigit() and int(count) > 0 else None)
 
 
 def _devices(job: Mapping[str, str]) -> int:

@@ -13,6 +13,11 @@ on its model:
   a higher-tier job that cannot start, rather than have Slurm requeue them whole.
 - `Grow` jobs running below their request when idle devices are left that no pending job can use,
   higher tiers first.
+- `Migrate` small jobs off a node (checkpoint, requeue away from it, restore elsewhere) where a
+  pending multi-device job would fit in the idle devices by count but not by node: the fewest
+  devices moved, only jobs of its tier or lower that can afford the move, and only where the moved
+  jobs fit on the other nodes' idle devices. This needs the snapshot's per-node view; without it,
+  devices are one pool and nothing is migrated.
 
 Every action carries its reason, for the log and `singularityctl sla --actions`.
 """
@@ -43,6 +48,8 @@ class JobView:
     window_left: float = WINDOW_S
     protected: bool = False
     submitted: float = 0.0
+    where: tuple[tuple[str, int], ...] = ()  # a running job's devices by node: (node, count)
+    shape: tuple[int, int] | None = None  # a pending job's (nodes, devices per node), where known
 
     @property
     def running(self) -> bool:
@@ -54,15 +61,23 @@ class JobView:
 
 
 @dataclass(frozen=True)
+class NodeView:
+    name: str
+    free: int  # idle devices a job could get there
+
+
+@dataclass(frozen=True)
 class Snapshot:
     free: int  # idle devices
     jobs: tuple[JobView, ...]
+    nodes: tuple[NodeView, ...] = ()  # per node, where known (defragmentation needs it)
 
 
 @dataclass(frozen=True)
 class Params:
     preemption_cost_s: float = 120.0  # what one preemption or resize costs a job (checkpoint, wait, restore)
     unprotect_factor: float = 3.0
+    defragment: bool = True  # migrate small jobs where a pending one fits by count but not by node
 
 
 @dataclass(frozen=True)
@@ -91,7 +106,14 @@ class Grow:
     reason: str = field(compare=False)
 
 
-Action = Protect | Unprotect | Shrink | Grow
+@dataclass(frozen=True)
+class Migrate:
+    job_id: str
+    node: str  # the node it leaves (and is kept off, as `singularityctl migrate` does)
+    reason: str = field(compare=False)
+
+
+Action = Protect | Unprotect | Shrink | Grow | Migrate
 
 
 def _order(job: JobView) -> tuple[int, float, str]:
@@ -133,7 +155,9 @@ def decide(snapshot: Snapshot, params: Params | None = None) -> list[Action]:
        and release those that have a few times that cost again;
     2. for each pending job (tier, then submission order) that idle devices cannot hold, shrink
        running jobs of lower tiers (lowest tier first, those with the most to give first, each no
-       lower than `shrink_limit`) where that makes room for it;
+       lower than `shrink_limit`) where that makes room for it; where one would fit in the idle
+       devices by count but not by node (the snapshot's per-node view and its shape known),
+       migrate small jobs off the nodes it lacks (`defragment`; one pending job per look);
     3. give idle devices that no pending job can use to running jobs below their request, higher
        tiers first.
     """
@@ -166,11 +190,27 @@ def decide(snapshot: Snapshot, params: Params | None = None) -> list[Action]:
                         key=lambda j: (-TIER_RANK[j.tier], -gives[j.job_id], j.job_id))
 
     free = snapshot.free
+    node_free = {node.name: node.free for node in snapshot.nodes}
+    defragmented = False  # one pending job's room is made at a time
     pending = sorted((j for j in snapshot.jobs if not j.running), key=_order)
     for want in pending:
         need, rank = fewest_to_start(want.tier, want.requested, want.min_devices), TIER_RANK[want.tier]
         if need <= free:
             free -= min(want.requested, free)  # Slurm starts it on idle devices by itself
+            if node_free and want.shape and not _take(node_free, *want.shape) and params.defragment \
+                    and not defragmented:
+                movable = [j for j in snapshot.jobs if j.running and len(j.where) == 1
+                           and j.job_id not in protected and j.job_id not in touched
+                           and TIER_RANK[j.tier] >= rank and _can_move(j, params)]
+                moves = defragment(node_free, movable, *want.shape)
+                if moves:
+                    defragmented = True
+                    nodes, per = want.shape
+                    for job, node in moves:
+                        touched.add(job.job_id)
+                        actions.append(Migrate(job.job_id, node,
+                                               f"frees {node} for {want.tier} job {want.job_id} "
+                                               f"({nodes} node(s) x {per} devices)"))
             continue
         room = sum(r for k, r in room_by_rank.items() if k > rank)
         if free + room < need:
@@ -202,3 +242,60 @@ def decide(snapshot: Snapshot, params: Params | None = None) -> list[Action]:
             actions.append(Grow(job.job_id, job.held + grow,
                                 f"{grow} idle device(s) no pending job can use"))
     return actions
+
+
+def _can_move(job: JobView, params: Params) -> bool:
+    """A move costs the job what a preemption does: a job of a tier with a floor must afford it."""
+    return FLOORS[job.tier] <= 0 or job.slack >= params.preemption_cost_s
+
+
+def _take(node_free: dict[str, int], nodes: int, per_node: int) -> bool:
+    """Place `nodes` x `per_node` devices on the nodes with the fewest idle devices that hold them
+    (best fit, as Slurm packs); False, and nothing taken, where fewer nodes can."""
+    fitting = sorted((n for n, f in node_free.items() if f >= per_node), key=lambda n: (node_free[n], n))
+    if len(fitting) < nodes:
+        return False
+    for node in fitting[:nodes]:
+        node_free[node] -= per_node
+    return True
+
+
+def defragment(node_free: dict[str, int], movable: list[JobView], nodes: int,
+               per_node: int) -> list[tuple[JobView, str]]:
+    """The moves that give a pending job of `nodes` x `per_node` devices its nodes: for each node it
+    lacks, the node that needs the fewest devices moved off it (its smallest `movable` one-node jobs
+    first), each moved job placed on another node's idle devices (best fit; not on a node being
+    freed, nor on what the pending job takes of a node that already fits). Updates `node_free` as if
+    the moves and the job's start were done; [] (and nothing changed) where no such moves exist."""
+    fitting = [n for n, f in node_free.items() if f >= per_node]
+    missing = nodes - len(fitting)
+    if missing <= 0:
+        return []
+    options = []
+    for node, idle in node_free.items():
+        if idle >= per_node:
+            continue
+        chosen, got = [], idle
+        for job in sorted((j for j in movable if j.where[0][0] == node), key=lambda j: (j.held, j.job_id)):
+            if got >= per_node:
+                break
+            chosen.append(job)
+            got += job.held
+        if got >= per_node:
+            options.append((sum(j.held for j in chosen), len(chosen), node, chosen))
+    if len(options) < missing:
+        return []
+    targets = sorted(options, key=lambda o: o[:3])[:missing]
+    freed = {node for _, _, node, _ in targets}
+    room = {n: f - (per_node if n in fitting else 0) for n, f in node_free.items() if n not in freed}
+    moves = []
+    for job in sorted((j for _, _, _, chosen in targets for j in chosen), key=lambda j: (-j.held, j.job_id)):
+        homes = sorted((n for n, f in room.items() if f >= job.held), key=lambda n: (room[n], n))
+        if not homes:
+            return []
+        room[homes[0]] -= job.held
+        moves.append((job, job.where[0][0]))
+    for node in freed:
+        room[node] = node_free[node] + sum(job.held for job, left in moves if left == node) - per_node
+    node_free.update(room)
+    return moves

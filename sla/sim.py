@@ -12,8 +12,17 @@
 Scheduling, as Slurm does it with partition priorities and a simple backfill: pending jobs in tier
 order (premium, standard, basic), then submission order; each starts where it fits (an elastic job
 in `controller` mode on as few as its floor); one that does not fit preempts running jobs of lower
-tiers (the lowest tier first, the latest started first) when that frees enough. Devices are one pool
-(`nodes` x `gpus_per_node`).
+tiers (the lowest tier first, the latest started first) when that frees enough.
+
+Placement: with `placement="pool"` (the default) devices are one pool (`nodes` x `gpus_per_node`)
+and a job fits wherever enough of them are idle. With `placement="nodes"` each node's devices are
+its own: a job of up to `gpus_per_node` devices runs on one node (the one with the fewest idle
+devices that hold it, as Slurm packs), a larger one on as few nodes as hold it, its devices spread
+evenly; preemption takes lower-tier jobs from the nodes that need the fewest devices freed; a job
+that fits by count but not by node waits (fragmentation) while smaller jobs may start around it.
+There, the controller's shrinks, grows and migrations come from its periodic decisions
+(`policy.decide` with the per-node view), and a migrated job is checkpointed and queued again,
+kept off the node it left.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from .accounting import FLOORS, Segment
 from .policy import TIER_RANK
 
 MODES = ("native", "singularity", "controller")
+PLACEMENTS = ("pool", "nodes")
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class SimParams:
     app_checkpoint_s: float = 3600.0
     window_s: float = accounting.WINDOW_S
     controller_period_s: float = 60.0
+    placement: str = "pool"  # or "nodes" (see the module's docstring)
 
     @property
     def devices(self) -> int:
@@ -87,6 +98,10 @@ class SimJob:
     finished: float | None = None
     protected: bool = False
     resize_to: int = 0  # the size a resize in progress gives the job
+    where: dict[int, int] = field(default_factory=dict)  # placement "nodes": devices held, by node
+    giving: dict[int, int] = field(default_factory=dict)  # what a shrink in progress frees, by node
+    excluded: set[int] = field(default_factory=set)  # nodes it was migrated off
+    migrations: int = 0
     segments: list[Segment] = field(default_factory=list)
     win_start: float = 0.0
     win_had: float = 0.0  # device-fraction seconds delivered in the current window
@@ -116,6 +131,7 @@ class Outcome:
     resizes: int
     lost_device_s: float  # device-seconds of work preempted jobs lost and did again (native)
     sim_seconds: float
+    migrations: int = 0
 
 
 class Simulation:
@@ -125,6 +141,8 @@ class Simulation:
                  policy_params: policy.Params | None = None):
         if params.mode not in MODES:
             raise ValueError(f"unknown mode {params.mode!r}; valid modes: {', '.join(MODES)}")
+        if params.placement not in PLACEMENTS:
+            raise ValueError(f"unknown placement {params.placement!r}; valid: {', '.join(PLACEMENTS)}")
         too_big = [j for j in jobs if j.min_gpus > params.devices]
         if too_big:
             raise trace.TraceError(f"job {too_big[0].job_id} asks for {too_big[0].min_gpus} devices; the "
@@ -138,6 +156,10 @@ class Simulation:
         self.policy = policy_params or policy.Params(preemption_cost_s=params.checkpoint_s + params.restore_s)
         self.jobs = {j.job_id: SimJob(j, since=j.submit, win_start=j.submit) for j in jobs}
         self.free = params.devices
+        self.by_node = params.placement == "nodes"
+        self.node_free = [params.gpus_per_node] * params.nodes if self.by_node else []
+        self.node_coming = [0] * params.nodes if self.by_node else []  # what checkpoints will free there
+        self.unreserved_nodes: list[int] = list(self.node_free)
         self.now = 0.0
         self.events: list[tuple[float, int, str, str, int]] = []
         self.seq = 0
@@ -187,6 +209,8 @@ class Simulation:
             elif kind == "checkpointed":  # a preempted job's dump is done: its devices are free
                 self._update(job)
                 self.coming -= job.held
+                for node, count in job.where.items():
+                    self.node_coming[node] -= count
                 self._release(job)
                 job.phase = Phase.PENDING
                 self._queue(job)
@@ -197,6 +221,13 @@ class Simulation:
                     self.coming -= job.held - job.resize_to
                     self.held_by_tier[job.spec.tier] -= job.held - job.resize_to
                     job.held = job.resize_to
+                    for node, count in job.giving.items():
+                        self.node_free[node] += count
+                        self.node_coming[node] -= count
+                        job.where[node] -= count
+                        if not job.where[node]:
+                            del job.where[node]
+                    job.giving = {}
                 job.version += 1
                 self._at(when + self._restore_s(job), "running", job)
             elif kind == "running":  # restored, or resized
@@ -206,7 +237,10 @@ class Simulation:
                 self._control()
                 if left:
                     self._at(when + self.params.controller_period_s, "tick", None)
-            self._schedule()
+            if self.by_node:
+                self._schedule_nodes()
+            else:
+                self._schedule()
         return self._outcome(time.perf_counter() - began)
 
     # --- bookkeeping ----------------------------------------------------------------------------
@@ -243,17 +277,22 @@ class Simulation:
         """The job as the controller sees it now (its slack from its current window; a pending
         job's is not looked at, and its accounting is brought up to date when it starts)."""
         if job.phase == Phase.PENDING:
+            shares = self._shares(job.spec.gpus) if self.by_node else None
             return policy.JobView(job.spec.job_id, job.spec.tier, job.spec.gpus, job.spec.min_gpus, 0, 0.0,
-                                  self.params.window_s, job.protected, job.spec.submit)
+                                  self.params.window_s, job.protected, job.spec.submit,
+                                  shape=(len(shares), shares[0]) if shares else None)
         self._update(job)
         self._window(job, self.now, self.now, 0)
         rest = max(job.win_start + self.params.window_s - self.now, 0.0)
         slack = job.win_had + rest - FLOORS[job.spec.tier] * self.params.window_s
         return policy.JobView(job.spec.job_id, job.spec.tier, job.spec.gpus, job.spec.min_gpus,
                               job.held if job.phase == Phase.RUNNING else 0, slack, rest, job.protected,
-                              job.spec.submit)
+                              job.spec.submit, tuple((f"n{n}", c) for n, c in sorted(job.where.items())))
 
     def _release(self, job: SimJob) -> None:
+        for node, count in job.where.items():
+            self.node_free[node] += count
+        job.where = {}
         self.free += job.held
         self.held_by_tier[job.spec.tier] -= job.held
         job.held = 0
@@ -272,17 +311,20 @@ class Simulation:
     def _queue(self, job: SimJob) -> None:
         bisect.insort(self.pending[job.spec.tier], job, key=lambda j: (j.spec.submit, j.spec.job_id))
 
-    def _start(self, job: SimJob, devices: int) -> None:
+    def _start(self, job: SimJob, devices: int, where: dict[int, int] | None = None) -> None:
         self._update(job)
         self.pending[job.spec.tier].remove(job)
         self.free -= devices
+        for node, count in (where or {}).items():
+            self.node_free[node] -= count
+        job.where = dict(where or {})
         self.held_by_tier[job.spec.tier] += devices
         job.held = devices
         self.active[job.spec.job_id] = job
         if job.started_at is None:
             job.started_at = self.now
         self.timeline.append((self.now, "start", job.spec.job_id, devices))
-        if job.preemptions and self._restore_s(job) > 0:
+        if (job.preemptions or job.migrations) and self._restore_s(job) > 0:
             job.phase = Phase.RESTORING
             job.version += 1
             self._at(self.now + self._restore_s(job), "running", job)
@@ -320,8 +362,14 @@ class Simulation:
             job.phase = Phase.PENDING
             self._queue(job)
             return
+        self._checkpoint(job)
+
+    def _checkpoint(self, job: SimJob) -> None:
+        """The job stops at a checkpoint; its devices are free once it is done."""
         job.phase = Phase.CHECKPOINTING
         self.coming += job.held
+        for node, count in job.where.items():
+            self.node_coming[node] += count
         job.version += 1
         self._at(self.now + self._checkpoint_s(job), "checkpointed", job)
 
@@ -397,19 +445,170 @@ class Simulation:
                 coming -= need - take
         self.unreserved = free
 
+
+    # --- placement "nodes" ----------------------------------------------------------------------
+
+    def _shares(self, devices: int) -> list[int]:
+        """A job's devices per node: one node up to `gpus_per_node`, else as few nodes as hold them,
+        spread evenly (largest share first)."""
+        k = max(math.ceil(devices / self.params.gpus_per_node), 1)
+        base, extra = divmod(devices, k)
+        return [base + 1] * extra + [base] * (k - extra)
+
+    def _fit(self, job: SimJob, devices: int, idle: list[int]) -> dict[int, int] | None:
+        """Where `devices` of the job fit in `idle` now: each share on the node with the fewest idle
+        devices that hold it, none on a node it was migrated off."""
+        chosen: dict[int, int] = {}
+        for share in self._shares(devices):
+            best = -1
+            for node, free in enumerate(idle):
+                if free >= share and node not in chosen and node not in job.excluded \
+                        and (best < 0 or free < idle[best]):
+                    best = node
+            if best < 0:
+                return None
+            chosen[best] = share
+        return chosen
+
+    def _make_room(self, job: SimJob, devices: int, idle: list[int], coming: list[int]
+                   ) -> tuple[dict[int, int], list[SimJob]] | None:
+        """The nodes a waiting job takes and the lower-tier jobs to preempt there: for each share,
+        the node that needs the fewest devices preempted (what checkpoints in progress free counts
+        as free), its victims in preemption order. None where no such nodes exist."""
+        on_node: dict[int, list[SimJob]] = {}
+        for victim in self._preemptible(job.spec.tier):
+            for node in victim.where:
+                on_node.setdefault(node, []).append(victim)
+        chosen: dict[int, int] = {}
+        victims: list[SimJob] = []
+        taken: set[str] = set()
+        for share in self._shares(devices):
+            best: tuple[int, int, list[SimJob]] | None = None
+            for node in range(len(idle)):
+                if node in chosen or node in job.excluded:
+                    continue
+                have = idle[node] + coming[node] + sum(v.where.get(node, 0) for v in victims)
+                picked, cost = [], 0
+                for victim in on_node.get(node, ()):
+                    if have >= share:
+                        break
+                    if victim.spec.job_id not in taken:
+                        picked.append(victim)
+                        have += victim.where[node]
+                        cost += victim.held
+                if have >= share and (best is None or cost < best[1]):
+                    best = (node, cost, picked)
+                    if cost == 0:
+                        break
+            if best is None:
+                return None
+            chosen[best[0]] = share
+            victims.extend(best[2])
+            taken.update(v.spec.job_id for v in best[2])
+        return chosen, victims
+
+    def _grow_places(self, job: SimJob, extra: int) -> dict[int, int]:
+        """Idle devices no waiting job is promised for a grow: on the job's own nodes first."""
+        idle = self.unreserved_nodes
+        order = sorted(range(len(idle)), key=lambda n: (n not in job.where, -idle[n], n))
+        taken: dict[int, int] = {}
+        for node in order:
+            if extra <= 0:
+                break
+            count = min(idle[node], self.node_free[node], extra)
+            if count > 0 and node not in job.excluded:
+                taken[node] = count
+                extra -= count
+        return taken
+
+    def _shrink_places(self, job: SimJob, give: int) -> dict[int, int]:
+        """What a shrink frees, by node: from the nodes where the job holds the fewest first."""
+        giving: dict[int, int] = {}
+        for node in sorted(job.where, key=lambda n: (job.where[n], n)):
+            if give <= 0:
+                break
+            count = min(job.where[node], give)
+            giving[node] = count
+            give -= count
+        return giving
+
+    def _schedule_nodes(self) -> None:
+        """`_schedule` for placement "nodes": a job starts where it fits node by node (an elastic
+        one in `controller` mode on as many of its devices as fit, at least its floor); one that
+        does not fit preempts lower-tier jobs on the nodes that need the fewest freed, and keeps
+        those nodes' devices from later jobs while their checkpoints run."""
+        elastic = self.params.mode == "controller"
+        idle, coming = list(self.node_free), list(self.node_coming)
+        total = sum(idle)
+        for tier in TIER_RANK:
+            queue = self.pending[tier]
+            below = sum(held for t, held in self.held_by_tier.items() if TIER_RANK[t] > TIER_RANK[tier])
+            for job in list(queue):
+                if total == 0 and not below and not any(coming):
+                    break
+                need = job.need if elastic else job.spec.gpus
+                place = None
+                for size in dict.fromkeys((min(job.spec.gpus, total), need)):
+                    if need <= size <= total:
+                        place = self._fit(job, size, idle)
+                        if place:
+                            break
+                if place:
+                    for node, count in place.items():
+                        idle[node] -= count
+                    total -= sum(place.values())
+                    self._start(job, sum(place.values()), place)
+                    continue
+                plan = self._make_room(job, need, idle, coming)
+                if plan is None:
+                    continue  # fragmented, or nothing below it to preempt: it waits
+                place, victims = plan
+                for victim in victims:
+                    held = victim.held
+                    was = dict(victim.where)
+                    self._preempt(victim)
+                    below -= held
+                    for node, count in was.items():
+                        if self.params.mode == "native":
+                            idle[node] += count
+                            total += count
+                        else:
+                            coming[node] += count
+                if self.params.mode == "native" and all(idle[n] >= c for n, c in place.items()):
+                    for node, count in place.items():
+                        idle[node] -= count
+                    total -= sum(place.values())
+                    self._start(job, sum(place.values()), place)
+                    continue
+                for node, count in place.items():  # kept for it while the checkpoints run
+                    now = min(idle[node], count)
+                    idle[node] -= now
+                    total -= now
+                    coming[node] -= count - now
+        self.unreserved = total
+        self.unreserved_nodes = idle
+
     # --- the controller -------------------------------------------------------------------------
 
     def _control(self) -> None:
         waiting = (j for queue in self.pending.values() for j in queue)
         views = [self._view(job) for job in (*self.active.values(), *waiting)
                  if job.phase in (Phase.RUNNING, Phase.PENDING)]
+        nodes = tuple(policy.NodeView(f"n{i}", free) for i, free in enumerate(self.unreserved_nodes))
         # idle devices the scheduler keeps for a job that waits for a checkpoint are not idle to it
-        for action in policy.decide(policy.Snapshot(self.unreserved, tuple(views)), self.policy):
+        for action in policy.decide(policy.Snapshot(self.unreserved, tuple(views), nodes), self.policy):
             self.actions.append((self.now, action))
             job = self.jobs[action.job_id]
             if isinstance(action, policy.Protect | policy.Unprotect):
                 job.protected = isinstance(action, policy.Protect)
                 self.timeline.append((self.now, type(action).__name__.lower(), action.job_id, 0))
+            elif isinstance(action, policy.Migrate):
+                if job.phase == Phase.RUNNING:
+                    self._update(job)
+                    job.migrations += 1
+                    job.excluded.add(int(action.node[1:]))
+                    self.timeline.append((self.now, "migrate", action.job_id, 0))
+                    self._checkpoint(job)
             elif self._resize(job, action.devices):
                 self.timeline.append((self.now, type(action).__name__.lower(), action.job_id, job.resize_to))
 
@@ -423,6 +622,14 @@ class Simulation:
         devices = max(devices, job.spec.min_gpus)
         if devices == job.held or job.phase != Phase.RUNNING:
             return False
+        if self.by_node and devices > job.held:
+            taken = self._grow_places(job, devices - job.held)
+            if not taken:
+                return False
+            devices = job.held + sum(taken.values())
+            for node, count in taken.items():
+                self.node_free[node] -= count
+                job.where[node] = job.where.get(node, 0) + count
         job.resizes += 1
         job.phase = Phase.RESIZING
         job.resize_to = devices
@@ -432,6 +639,10 @@ class Simulation:
             job.held = devices
         else:
             self.coming += job.held - devices
+            if self.by_node:
+                job.giving = self._shrink_places(job, job.held - devices)
+                for node, count in job.giving.items():
+                    self.node_coming[node] += count
         job.version += 1
         self._at(self.now + self._checkpoint_s(job), "resized", job)
         return True
@@ -460,7 +671,8 @@ class Simulation:
                        round(self.held_seconds / capacity, 4), round(self.kept_seconds / capacity, 4),
                        attainment, fractions, completion,
                        sum(j.preemptions for j in jobs), sum(j.resizes for j in jobs),
-                       round(sum(j.lost * j.spec.gpus for j in jobs), 1), round(seconds, 3))
+                       round(sum(j.lost * j.spec.gpus for j in jobs), 1), round(seconds, 3),
+                       sum(j.migrations for j in jobs))
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -477,14 +689,17 @@ def table(outcomes: Sequence[Outcome]) -> str:
     def share(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
+    moved = any(o.migrations for o in outcomes)  # only placement "nodes" migrates
     rows = ["| mode | utilization | goodput | premium SLA | standard SLA | preemptions | resizes | "
-            "lost work (GPU-h) | mean JCT basic (h) |", "|---|---|---|---|---|---|---|---|---|"]
+            + ("migrations | " if moved else "") + "lost work (GPU-h) | mean JCT basic (h) |",
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if moved else "")]
     for o in outcomes:
         jct = o.completion_s.get("basic", {}).get("mean")
         rows.append(f"| {o.mode} | {o.utilization:.3f} | {o.goodput:.3f} | "
                     f"{share(o.attainment['premium'])} | "
                     f"{share(o.attainment['standard'])} | {o.preemptions} | {o.resizes} | "
-                    f"{o.lost_device_s / 3600:.1f} | {'-' if jct is None else f'{jct / 3600:.2f}'} |")
+                    + (f"{o.migrations} | " if moved else "")
+                    + f"{o.lost_device_s / 3600:.1f} | {'-' if jct is None else f'{jct / 3600:.2f}'} |")
     return "\n".join(rows)
 
 
@@ -552,9 +767,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="singularity-sim",
         description="Replay a job trace on a simulated Slurm cluster under Slurm's native preemption "
                     "(native), Singularity's work-conserving checkpoints (singularity), and Singularity "
-                    "with the SLA controller's elasticity and protection (controller), side by side, and "
-                    "report utilization, goodput, per-tier SLA attainment, completion times, preemptions "
-                    "and resizes.",
+                    "with the SLA controller's elasticity, protection and (with --placement nodes) "
+                    "defragmentation (controller), side by side, and report utilization, goodput, "
+                    "per-tier SLA attainment, completion times, preemptions, resizes and migrations.",
         epilog="Trace formats: csv (job_id, submit_s, duration_s, gpus, tier[, min_gpus, checkpoint_s, "
                "restore_s]; see singularity_slurm.sla.trace), philly (Philly's cluster_job_log JSON), "
                "philly-summary (Philly's jobs one CSV line each: timestamp, duration, num_gpus[, cluster], "
@@ -582,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=SimParams.gpus_per_node,
                         help=f"devices per node (default {SimParams.gpus_per_node})")
     parser.add_argument("--mode", choices=[*MODES, "all"], default="all", help="which model to run (all)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="pool",
+                        help="pool: a cluster's devices are one pool (default); nodes: each node's are "
+                             "its own, so jobs fragment and the controller migrates small jobs to make "
+                             "room for larger ones")
     parser.add_argument("--checkpoint-s", type=float, default=SimParams.checkpoint_s,
                         help=f"seconds a preempted job takes to checkpoint, holding its devices "
                              f"(default {SimParams.checkpoint_s:g})")
@@ -619,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be a {'positive' if positive else 'non-negative'} "
                          f"number of seconds, not {value:g}")
     params = SimParams(args.nodes, args.gpus_per_node, "singularity", args.checkpoint_s, args.restore_s,
-                       args.app_checkpoint_s, args.window_s, args.controller_period_s)
+                       args.app_checkpoint_s, args.window_s, args.controller_period_s, args.placement)
     try:
         if args.synthetic is not None:
             jobs = synth.generate(args.synthetic, params.devices, args.load, args.seed,

@@ -57,3 +57,29 @@ def test_the_snapshot_joins_slurms_jobs_with_their_accounting_and_elasticity() -
     # half an hour at 4 of 8: 900 s had, 1800 s left, 2520 s owed
     assert running.slack == pytest.approx(900 + 1800 - 2520) and running.window_left == pytest.approx(1800)
     assert (pending.job_id, pending.held, pending.requested, pending.protected) == ("8", 0, 2, True)
+
+
+def test_idle_devices_node_by_node_leave_out_unusable_and_reserved_nodes() -> None:
+    assert fleet.idle_by_node(SINFO) == {"n1": 2, "n2": 4, "n4": 0}
+    assert fleet.idle_by_node(SINFO, closed={"n2"}) == {"n1": 2, "n4": 0}
+
+
+def test_the_per_node_view_places_running_jobs_and_shapes_pending_ones() -> None:
+    slurm_jobs = [
+        {"JobId": "7", "JobState": "RUNNING", "Partition": "basic", "TresPerNode": "gres:gpu:2",
+         "NumNodes": "2", "NodeList": "n[1-2]"},
+        {"JobId": "8", "JobState": "PENDING", "Partition": "basic", "TresPerNode": "gres/gpu=4",
+         "NumNodes": "2", "NodeList": ""},
+        {"JobId": "9", "JobState": "PENDING", "Partition": "basic", "TresPerNode": "gres:gpu:1",
+         "NumNodes": "", "NodeList": ""},  # a node count squeue did not give: shape unknown
+    ]
+    snap = fleet.snapshot(slurm_jobs, {}, idle=2, protected=[], now=0.0, window=3600.0,
+                          max_ranks_per_device=4, tier_of_partition=tiers, idle_nodes={"n2": 2, "n1": 0})
+    running, pending, unknown = snap.jobs
+    assert running.where == (("n1", 2), ("n2", 2)) and running.shape is None
+    assert pending.where == () and pending.shape == (2, 4)
+    assert unknown.shape is None
+    assert [(n.name, n.free) for n in snap.nodes] == [("n1", 0), ("n2", 2)]
+    pooled = fleet.snapshot(slurm_jobs, {}, idle=2, protected=[], now=0.0, window=3600.0,
+                            max_ranks_per_device=4, tier_of_partition=tiers)
+    assert pooled.nodes == () and all(j.where == () and j.shape is None for j in pooled.jobs)

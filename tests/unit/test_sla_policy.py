@@ -5,12 +5,15 @@ from __future__ import annotations
 from singularity_slurm.sla.policy import (
     Grow,
     JobView,
+    Migrate,
+    NodeView,
     Params,
     Protect,
     Shrink,
     Snapshot,
     Unprotect,
     decide,
+    defragment,
     fewest_to_start,
     shrink_limit,
 )
@@ -79,3 +82,60 @@ def test_idle_devices_no_waiting_job_can_use_grow_shrunk_jobs_higher_tiers_first
     assert decide(snapshot, PARAMS) == [Grow("s", 8, ""), Grow("b", 5, "")]
     waiting_fits = Snapshot(3, (job("b", "basic", 8, 4, min_devices=2), job("w", "basic", 2, 0)))
     assert decide(waiting_fits, PARAMS) == [Grow("b", 5, "")]  # Slurm starts the waiting job on 2 of 3
+
+
+def placed(job_id: str, tier: str, held: int, node: str, slack: float = 3000.0,
+           protected: bool = False) -> JobView:
+    return JobView(job_id, tier, held, held, held, slack, 3000.0, protected, 0.0, where=((node, held),))
+
+
+def test_small_jobs_move_off_the_node_a_pending_multi_node_job_lacks_the_fewest_devices_moved() -> None:
+    # 8 idle devices in all, but no node of the three has 4: a 2 x 4 job cannot start
+    nodes = (NodeView("n1", 2), NodeView("n2", 3), NodeView("n3", 3))
+    jobs = (placed("a", "basic", 2, "n1"), placed("b", "basic", 1, "n2"), placed("c", "basic", 1, "n3"),
+            JobView("want", "basic", 8, 8, 0, 3000.0, shape=(2, 4)))
+    actions = decide(Snapshot(8, jobs, nodes), PARAMS)
+    # freeing n2 and n3 moves one device each; their jobs fit in n1's idle two
+    assert actions == [Migrate("b", "n2", ""), Migrate("c", "n3", "")]
+    assert "for basic job want (2 node(s) x 4 devices)" in actions[0].reason
+
+
+def test_no_move_where_the_moved_jobs_would_not_fit_elsewhere_or_may_not_move() -> None:
+    nodes = (NodeView("n1", 2), NodeView("n2", 2))
+    jobs = (placed("a", "basic", 2, "n1"), placed("b", "basic", 2, "n2"),
+            JobView("want", "basic", 4, 4, 0, 3000.0, shape=(1, 4)))
+    # moving a off n1 frees 4 there, and a fits on n2's idle two
+    assert decide(Snapshot(4, jobs, nodes), PARAMS) == [Migrate("a", "n1", "")]
+    nowhere = (NodeView("n1", 1), NodeView("n2", 1))
+    wide = (placed("a", "basic", 3, "n1"), placed("b", "basic", 3, "n2"),
+            JobView("want", "basic", 2, 2, 0, 3000.0, shape=(1, 2)))
+    assert decide(Snapshot(2, wide, nowhere), PARAMS) == []  # a 3-device job fits on no 1 idle
+    higher = (placed("a", "premium", 2, "n1"), placed("b", "standard", 2, "n2", slack=50),
+              JobView("want", "standard", 4, 4, 0, 3000.0, shape=(1, 4)))
+    # a premium job does not move for a standard one; a standard job that cannot afford a move stays
+    assert decide(Snapshot(4, higher, nodes), PARAMS) == [Protect("b", "")]
+    guarded = (placed("a", "basic", 2, "n1", protected=True), placed("b", "basic", 2, "n2", protected=True),
+               JobView("want", "basic", 4, 4, 0, 3000.0, shape=(1, 4)))
+    assert decide(Snapshot(4, guarded, nodes), PARAMS) == []
+
+
+def test_nothing_moves_without_the_per_node_view_or_where_the_job_fits_already() -> None:
+    jobs = (placed("a", "basic", 2, "n1"), placed("b", "basic", 2, "n2"),
+            JobView("want", "basic", 4, 4, 0, 3000.0, shape=(1, 4)))
+    assert decide(Snapshot(4, jobs), PARAMS) == []  # devices as one pool: nothing to defragment
+    fits = (NodeView("n1", 4), NodeView("n2", 0))
+    assert decide(Snapshot(4, jobs, fits), PARAMS) == []
+    one_look = (*jobs, JobView("next", "basic", 4, 4, 0, 3000.0, submitted=1.0, shape=(1, 4)))
+    many = (NodeView("n1", 2), NodeView("n2", 2), NodeView("n3", 2), NodeView("n4", 2))
+    assert len(decide(Snapshot(8, one_look, many), PARAMS)) == 1  # one pending job's room per look
+
+
+def test_defragment_updates_the_node_view_as_if_the_moves_and_the_start_were_done() -> None:
+    node_free = {"n1": 2, "n2": 3, "n3": 3}
+    movable = [placed("a", "basic", 2, "n1"), placed("b", "basic", 1, "n2"), placed("c", "basic", 1, "n3")]
+    moves = defragment(node_free, movable, 2, 4)
+    assert [(job.job_id, node) for job, node in moves] == [("b", "n2"), ("c", "n3")]
+    assert node_free == {"n1": 0, "n2": 0, "n3": 0}
+    unchanged = {"n1": 1, "n2": 1}
+    assert defragment(unchanged, [placed("a", "basic", 3, "n1")], 1, 4) == []
+    assert unchanged == {"n1": 1, "n2": 1}

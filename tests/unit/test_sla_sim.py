@@ -141,3 +141,57 @@ def test_bad_options_are_refused_saying_which(argv, message, capsys) -> None:
         sim.main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def run_nodes(jobs, mode: str, **more) -> sim.Simulation:
+    s = run(jobs, mode, placement="nodes", **more)
+    assert s.node_free == [s.params.gpus_per_node] * s.params.nodes and s.node_coming == [0] * s.params.nodes
+    return s
+
+
+@pytest.mark.parametrize("mode", ["native", "singularity"])
+def test_on_one_node_placement_by_node_changes_nothing(mode: str) -> None:
+    pooled, by_node = run(PREEMPTED, mode).outcome, run_nodes(PREEMPTED, mode).outcome
+    assert {**vars(pooled), "sim_seconds": 0} == {**vars(by_node), "sim_seconds": 0}
+
+
+# two nodes of 4: a and b packed on n0, c and d on n1; b and c end, leaving 2 idle on each node
+FRAGMENTED = [TraceJob("a", 0.0, 10000.0, 2, "basic", 2), TraceJob("b", 0.0, 1000.0, 2, "basic", 2),
+              TraceJob("c", 0.0, 1000.0, 2, "basic", 2), TraceJob("d", 0.0, 10000.0, 2, "basic", 2),
+              TraceJob("e", 2000.0, 1000.0, 4, "basic", 4)]
+
+
+def test_a_job_that_fits_by_count_but_not_by_node_waits_and_the_controller_migrates_room_for_it() -> None:
+    waits = run_nodes(FRAGMENTED, "singularity", nodes=2, gpus_per_node=4)
+    assert [e for e in waits.timeline if e[2] == "e"][0] == (10000.0, "start", "e", 4)
+    moved = run_nodes(FRAGMENTED, "controller", nodes=2, gpus_per_node=4)
+    # the first look after e's arrival (every 60 s) moves a off n0; a's checkpoint takes 30 s
+    assert (2040.0, "migrate", "a", 0) in moved.timeline
+    assert moved.jobs["e"].started_at == 2070.0 and moved.jobs["e"].finished == 3070.0
+    assert moved.jobs["a"].where == {} and 0 in moved.jobs["a"].excluded
+    assert moved.outcome.migrations == 1 and moved.outcome.preemptions == 0
+    migrate = [a for _, a in moved.actions if isinstance(a, policy.Migrate)]
+    assert migrate == [policy.Migrate("a", "n0", "")]
+    # a restarts on n1 beside d, its restore paid: it ends 30 + 60 s later than undisturbed
+    assert moved.jobs["a"].finished == pytest.approx(10000.0 + 90.0)
+    assert waits.outcome.completion_s["basic"]["mean"] > moved.outcome.completion_s["basic"]["mean"]
+
+
+def test_preemption_by_node_takes_the_jobs_that_free_a_node_with_the_fewest_devices() -> None:
+    jobs = [TraceJob("x", 0.0, 9000.0, 4, "basic", 4), TraceJob("y", 0.0, 9000.0, 2, "basic", 2),
+            TraceJob("p", 100.0, 1000.0, 4, "premium", 4)]
+    s = run_nodes(jobs, "singularity", nodes=2, gpus_per_node=4)
+    assert [e for e in s.timeline if e[1] == "preempt"] == [(100.0, "preempt", "y", 0)]
+    assert s.jobs["p"].started_at == 130.0  # y's checkpoint freed n1's other two devices
+    pooled = run(jobs, "singularity", nodes=2, gpus_per_node=4)
+    assert [e for e in pooled.timeline if e[1] == "preempt"] == [(100.0, "preempt", "x", 0)]
+
+
+def test_a_large_job_spreads_evenly_over_as_few_nodes_as_hold_it() -> None:
+    s = sim.Simulation([TraceJob("w", 0.0, 10.0, 12, "basic", 12)], params("singularity", nodes=3,
+                                                                            placement="nodes"))
+    assert s._shares(12) == [6, 6] and s._shares(17) == [6, 6, 5] and s._shares(3) == [3]
+    s.run()
+    assert s.timeline[0] == (0.0, "start", "w", 12)
+    with pytest.raises(ValueError, match="unknown placement"):
+        sim.Simulation([], params("singularity", placement="racks"))
