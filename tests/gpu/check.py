@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from probe import du, sh, start_training, wait_for_line, wait_pid
+from probe import du, end_training, sh, start_training, wait_for_line, wait_pid
 
 from singularity_slurm.checkpoint import cuda
 from singularity_slurm.checkpoint.criu import dump_externals, external_mounts, restore_externals
@@ -104,12 +103,7 @@ def run_cycles(driver: cuda.Driver, criu: str, work: Path, name: str, steps: int
             result["cycles"].append(times)
         result["exit"] = wait_pid(pid, 600)
     finally:
-        for target in (pid, proc.pid):
-            try:
-                os.killpg(target, 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-        proc.poll()
+        end_training(proc, pid)
     result["log"] = log.read_text()
     return result
 

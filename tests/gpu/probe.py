@@ -197,6 +197,16 @@ def start_training(log: Path, *args: str, pidns: bool = False) -> tuple[subproce
     raise RuntimeError("unshare started no namespace init")
 
 
+def end_training(proc: subprocess.Popen, pid: int) -> None:
+    """Kill the training run's process groups: the one it was started in and its (restored) init's."""
+    for target in (pid, proc.pid):
+        try:
+            os.killpg(target, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.poll()
+
+
 def wait_for_line(log: Path, prefix: str, timeout: float = 120) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -336,12 +346,7 @@ def cycles(driver: Driver, criu: str, work: Path, steps: int, cut_steps: list[in
             proc.poll()
         result["exit"] = wait_pid(pid, 600)
     finally:
-        for target in (pid, proc.pid):
-            try:
-                os.killpg(target, 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-        proc.poll()
+        end_training(proc, pid)
     result["log_lines"] = len(log.read_text().splitlines())
     return result
 
