@@ -218,7 +218,8 @@ def gpu_tasks(pids: Iterable[int]) -> list[int]:
 
 
 def opened_gpus(pids: Iterable[int]) -> list[int]:
-    """The GPU numbers (/dev/nvidiaN) the processes hold open."""
+    """The GPU numbers (/dev/nvidiaN) the processes hold open (for the GPU check script: the node
+    agent takes a job's GPUs from Slurm only, since a job can fake these in a namespace of its own)."""
     targets = []
     for pid in pids:
         try:

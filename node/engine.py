@@ -384,8 +384,12 @@ class CheckpointEngine:
         if not tasks:
             yield {}
             return
+        if not self.gpus:  # what the job's processes hold open is theirs to fake; Slurm's list is not
+            raise CheckpointError(f"the job's tree has {len(tasks)} CUDA process(es) but the agent was not "
+                                  "told the job's GPUs (the Prolog passes Slurm's with --gpus): its GPU "
+                                  "state cannot be checkpointed")
         driver = cuda.Driver(lock_timeout_ms=self.config.gpu.lock_timeout_s * 1000)
-        held = [gpu.record() for gpu in gpus.inventory(self.gpus or cuda.opened_gpus(tasks))]
+        held = [gpu.record() for gpu in gpus.inventory(self.gpus)]
         inner = cuda.inner_pids(tasks)
         cuda.suspend(driver, tasks)
         try:

@@ -196,3 +196,33 @@ def test_prolog_hands_the_agent_slurms_gpu_numbers(tmp_path) -> None:
     argv = agent_spec(job, tmp_path).argv
     assert argv[argv.index("--gpus") + 1] == "0,2"
     assert "--gpus" not in agent_spec(JobContext(**{**job.__dict__, "gpus": []}), tmp_path).argv
+
+
+def test_the_agent_inventories_only_the_gpus_slurm_gave_the_job(tmp_path, monkeypatch) -> None:
+    """What the job's processes hold open (fds, maps) is theirs to fake in a namespace of their own:
+    without Slurm's GPU list the engine refuses the GPU checkpoint before any driver call, and with it
+    never looks at the fds."""
+    from singularity_slurm.checkpoint.store import CheckpointStore
+    from singularity_slurm.config import parse
+    from singularity_slurm.node import engine as engine_mod
+    from singularity_slurm.node.engine import CheckpointEngine
+
+    config = parse({"paths": {"store_root": str(tmp_path / "store")}})
+    engine = CheckpointEngine(config, "n1", tmp_path, CheckpointStore(tmp_path / "store"), None,  # type: ignore[arg-type]
+                              None)  # type: ignore[arg-type]
+    monkeypatch.setattr(engine_mod.jobcgroup, "tree", lambda pid: [pid])
+    monkeypatch.setattr(cuda, "gpu_tasks", lambda pids: list(pids))
+    monkeypatch.setattr(cuda, "opened_gpus", lambda pids: pytest.fail("the job's fds were read"))
+    monkeypatch.setattr(cuda, "Driver", lambda **_: pytest.fail("the driver was called"))
+    with pytest.raises(CheckpointError, match="not told the job's GPUs"):
+        with engine._gpu_state_out(1234, stop=True):
+            pass
+    asked = []
+    engine.gpus = [2]
+    monkeypatch.setattr(cuda, "Driver", lambda **_: type("D", (), {"version": 12080})())
+    monkeypatch.setattr(gpus, "inventory", lambda indices: asked.append(list(indices)) or [])
+    monkeypatch.setattr(cuda, "inner_pids", lambda tasks: {t: 1 for t in tasks})
+    monkeypatch.setattr(cuda, "suspend", lambda driver, tasks: None)
+    with engine._gpu_state_out(1234, stop=True) as meta:
+        assert meta["cuda"]["tasks"] == [1]
+    assert asked == [[2]]
