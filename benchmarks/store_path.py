@@ -132,7 +132,7 @@ def main() -> int:
             new_pages = {i for i in range(args.mib * 256) if a.read(PAGE) != b.read(PAGE)}
         for run in range(args.repeat):
             root = work / f"store-{run}"
-            store = CheckpointStore(root, max_chunk=PAGE, pack_chunks=True)
+            store = CheckpointStore(root, max_chunk=PAGE)
             figures["floor_first_s"].append(floor_store(first, work / "floor.pack"))
             seconds, new_first = store_once(store, first)
             figures["store_first_s"].append(seconds)

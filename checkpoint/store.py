@@ -1,30 +1,30 @@
-"""The checkpoint store: content-addressed chunks and atomically committed manifests on a shared filesystem.
+"""The checkpoint store: content-addressed chunks in packs and atomically committed manifests on a
+shared filesystem.
 
 Layout under the root, per job::
 
-    jobs/<job_id>/chunks/<2 hex>/<hash>      chunk bytes, named by the xxh3-128 hex digest of their content
-    jobs/<job_id>/manifests/<seq:08d>.json   one manifest per committed checkpoint
+    jobs/<job_id>/packs/<writer>.pack        chunks one writer stored, back to back
+    jobs/<job_id>/packs/<writer>.idx         where each of them lies in the pack (see packs.py)
+    jobs/<job_id>/manifests/<seq:08d>.mf     one manifest per committed checkpoint (see manifest.py)
     jobs/<job_id>/tmp/<writer>/              the in-progress writes of one writer
 
-A checkpoint exists once its manifest is linked into manifests/; until then nothing a writer did is
-visible to readers, so a failed dump (a full disk included) never replaces the last good checkpoint.
-Chunks are shared by all checkpoints of a job, so a checkpoint stores only the chunks that changed.
+A chunk is named by the xxh3-128 digest of its content. A checkpoint exists once its manifest is
+linked into manifests/; until then nothing a writer did is visible to readers, so a failed dump (a
+full disk included) never replaces the last good checkpoint. Chunks are shared by all checkpoints of
+a job, so a checkpoint stores only the chunks that changed.
 
 Concurrency: one writer per job at a time is the expected use. Two writers cannot take the same sequence
 number (it is claimed with an exclusive link). A writer's tmp folder marks it as active: while one is
-there, garbage collection and other writers' `abort` leave chunks alone, and `commit` checks that every
-chunk it references is still on disk, so a writer racing a prune fails with CheckpointConflict instead of
-committing a checkpoint with holes. The window left (a writer that starts, deduplicates against a chunk
-and commits while a prune deletes that very chunk) closes if the job's own writer runs `prune` after its
-commit.
+there, garbage collection leaves packs alone, and `commit` checks that every pack it deduplicated
+against is still there, so a writer racing a prune fails with CheckpointConflict instead of
+committing a checkpoint with holes. A pack is removed whole, once no kept checkpoint uses any of its
+chunks.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
-import math
 import os
 import re
 import shutil
@@ -32,14 +32,29 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Mapping as MappingABC
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import xxhash
 
+from singularity_slurm.checkpoint.manifest import (
+    DIGEST,
+    FORMAT_VERSION,
+    LENGTHS,
+    MAX_CHUNK_LENGTH,
+    ChunkRef,
+    FileEntry,
+    Manifest,
+    check_relpath,
+    job_key,
+)
+from singularity_slurm.checkpoint.packs import DigestSet, PackIndex, encode_index, read_pack_index, stat_key
 from singularity_slurm.errors import (
     CheckpointConflict,
     CheckpointError,
@@ -50,56 +65,29 @@ from singularity_slurm.errors import (
     StoreFull,
 )
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "MAX_CHUNK_LENGTH", "ChunkRef", "FileEntry", "Manifest", "check_relpath",
+           "job_key", "read_pack_index", "CheckpointStore", "CheckpointWriter", "Fence", "PruneResult",
+           "Refusal", "Skipped", "chunk_spans"]
+
 DEFAULT_MAX_CHUNK = 16 * 1024
-MAX_CHUNK_LENGTH = 1 << 30
-"""No chunk is longer (writers cut far smaller ones): a manifest or pack index saying otherwise is corrupt."""
 READ_BLOCK = 1 << 20
 """Bytes of a file a writer reads at once; its chunks are slices of them."""
 PACK_WRITE_BLOCK = 1 << 20
 """Bytes of new chunks a writer gathers before it writes them to its pack."""
+COMPACT_BELOW = 0.5
+"""A pack whose live chunks are less than this share of its bytes is compacted by garbage collection:
+without it, a pack lives as long as any one of its chunks, and the store of a job that dirties a few
+pages between checkpoints grows with every checkpoint."""
+RESTORE_READ = 8 << 20
+"""At most this many bytes of chunks lying back to back in a pack are read at once by a restore."""
 DEFAULT_TMP_GRACE_S = 3600.0
 """Age after which a tmp entry counts as left behind by a dead writer (a live one writes far more often)."""
 
 _JOB_ID = re.compile(r"[0-9]{1,20}")
 _HASH = re.compile(r"[0-9a-f]{32}")
-_HEX = re.compile(r"[0-9a-f]*")
-_MANIFEST_NAME = re.compile(r"([0-9]{8,})\.json")
+_MANIFEST_NAME = re.compile(r"([0-9]{8,})\.(mf|json)")
 _FULL = {errno.ENOSPC, errno.EDQUOT}
-_MANIFEST_KEYS = {"format", "job_id", "seq", "created_at", "reason", "meta", "files", "logical_bytes",
-                  "new_bytes"}
-_FILE_KEYS = {"path", "mode", "size", "chunks"}
 FENCE = "fence.json"
-
-
-def job_key(job_id: int | str) -> str:
-    """The canonical name of a Slurm job id (it becomes a folder name, so nothing but digits passes)."""
-    text = str(job_id) if isinstance(job_id, int | str) and not isinstance(job_id, bool) else ""
-    if not _JOB_ID.fullmatch(text) or int(text) == 0:
-        raise InvalidCheckpointRequest(
-            f"job id {job_id!r} is not a Slurm job id; pass a positive int or a string of digits "
-            "such as '4711'"
-        )
-    return str(int(text))
-
-
-def check_relpath(relpath: str) -> str:
-    """`relpath` if it is a safe relative POSIX path inside a checkpoint; refused otherwise."""
-    why = None
-    if not isinstance(relpath, str) or not relpath:
-        why = "it is not a non-empty string"
-    elif relpath.startswith("/"):
-        why = "it is absolute"
-    elif "\0" in relpath:
-        why = "it contains a NUL byte"
-    elif any(part in ("", ".", "..") for part in relpath.split("/")):
-        why = "it has an empty, '.' or '..' component"
-    if why:
-        raise InvalidCheckpointRequest(
-            f"file path {relpath!r} cannot go into a checkpoint: {why}; use a relative POSIX path such as "
-            "'img/pages-1.img'"
-        )
-    return relpath
 
 
 def chunk_spans(size: int, boundaries: Sequence[int] | None = None,
@@ -125,20 +113,6 @@ def chunk_spans(size: int, boundaries: Sequence[int] | None = None,
     return spans
 
 
-@dataclass(frozen=True)
-class ChunkRef:
-    hash: str  # xxh3-128 hex digest of the chunk's bytes
-    length: int
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative POSIX path inside the checkpoint
-    mode: int  # permission bits of the source (stat.S_IMODE)
-    size: int
-    chunks: tuple[ChunkRef, ...]
-
-
 class Skipped(NamedTuple):
     """A manifest or pack index that could not be read and was left alone (`what` names its file)."""
 
@@ -162,6 +136,7 @@ class PruneResult:
     tmp_bytes_deleted: int
     chunk_gc_deferred: bool = False  # a writer was active, so unreferenced chunks wait for the next prune
     skipped: tuple[Skipped, ...] = ()  # unreadable manifests and pack indexes left alone, and why
+    packs_compacted: int = 0  # mostly dead packs whose live chunks were copied into a new pack
 
 
 @dataclass(frozen=True)
@@ -181,73 +156,6 @@ class Fence:
                 and manifest.seq > self.seq)
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """One committed checkpoint: which files it holds and the chunks each is made of."""
-
-    job_id: str
-    seq: int
-    created_at: float
-    reason: str
-    meta: dict[str, Any]
-    files: tuple[FileEntry, ...]
-    logical_bytes: int  # sum of the file sizes
-    new_bytes: int  # bytes of the chunks this checkpoint stored that were not in the store before
-    version: int = FORMAT_VERSION
-
-    @property
-    def dedup_ratio(self) -> float:
-        """logical_bytes / new_bytes; inf when nothing new had to be stored (1.0 for an empty one)."""
-        if self.new_bytes:
-            return self.logical_bytes / self.new_bytes
-        return math.inf if self.logical_bytes else 1.0
-
-    def to_json(self) -> str:
-        files = [
-            {"path": f.path, "mode": f.mode, "size": f.size, "chunks": [[c.hash, c.length] for c in f.chunks]}
-            for f in self.files
-        ]
-        return json.dumps({
-            "format": self.version, "job_id": self.job_id, "seq": self.seq, "created_at": self.created_at,
-            "reason": self.reason, "meta": self.meta, "logical_bytes": self.logical_bytes,
-            "new_bytes": self.new_bytes, "files": files,
-        }) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, job_id: str | None = None, seq: int | None = None,
-                  where: str = "") -> Manifest:
-        """Parse and check a manifest; `job_id`, `seq` and `where` (its file), when given, say where it was
-        found, and it must agree."""
-
-        def refuse(why: str) -> CorruptCheckpoint:
-            return CorruptCheckpoint(job_id, seq, f"manifest {where} {why}" if where else f"manifest {why}",
-                                     path=where or None)
-
-        try:
-            doc = json.loads(text)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are ValueErrors
-            raise refuse(f"is not valid JSON ({exc}); it was truncated or overwritten") from exc
-        if not isinstance(doc, dict):
-            raise refuse(f"holds a JSON {type(doc).__name__}, not an object")
-        if isinstance(doc.get("format"), int) and doc["format"] > FORMAT_VERSION:
-            raise NewerCheckpointFormat(
-                job_id, seq, f"manifest {where} has format version {doc['format']}, and this "
-                f"singularity-slurm reads version {FORMAT_VERSION} only; restore it with the version that "
-                "wrote it", path=where or None)
-        if doc.get("format") != FORMAT_VERSION:
-            raise refuse(f"has format version {doc.get('format')!r}, and this singularity-slurm reads "
-                         f"version {FORMAT_VERSION} only; restore it with the version that wrote it")
-        try:
-            manifest = _manifest_from_doc(doc)
-        except (TypeError, ValueError) as exc:
-            raise refuse(f"is malformed: {exc}") from exc
-        if job_id is not None and manifest.job_id != job_id:
-            raise refuse(f"belongs to job {manifest.job_id}, not to job {job_id} whose folder holds it")
-        if seq is not None and manifest.seq != seq:
-            raise refuse(f"says it is checkpoint {manifest.seq}, but its file name says {seq}")
-        return manifest
-
-
 def _int(value: Any, what: str, low: int = 0, high: int | None = None) -> int:
     too_big = high is not None and isinstance(value, int) and value > high
     if isinstance(value, bool) or not isinstance(value, int) or value < low or too_big:
@@ -255,96 +163,17 @@ def _int(value: Any, what: str, low: int = 0, high: int | None = None) -> int:
     return value
 
 
-def read_pack_index(path: Path, pack_size: int | None) -> dict[str, tuple[int, int]]:
-    """hash -> (offset, length) of one pack index; ValueError says what is wrong with it.
-
-    Every entry must lie inside its pack (`pack_size` bytes, None when the pack is gone), so no
-    length read from the store can make a reader allocate more than the pack holds.
-    """
+def _size(path: Path) -> int | None:
+    """The size of a file, None if there is none."""
     try:
-        doc = json.loads(path.read_bytes())
-    except ValueError as exc:
-        raise ValueError(f"is not valid JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise ValueError(f"holds a JSON {type(doc).__name__}, not an object of hash -> [offset, length]")
-    if pack_size is None:
-        raise ValueError(f"has no pack {path.with_suffix('.pack').name} beside it")
-    entries = {}
-    for chunk_hash, entry in doc.items():
-        if not _HASH.fullmatch(chunk_hash) or not (isinstance(entry, list) and len(entry) == 2):
-            raise ValueError(f"has the entry {chunk_hash!r}: {entry!r}, not 32 hex digits -> "
-                             "[offset, length]")
-        offset = _int(entry[0], f"the offset of chunk {chunk_hash}")
-        length = _int(entry[1], f"the length of chunk {chunk_hash}", low=1, high=MAX_CHUNK_LENGTH)
-        if offset + length > pack_size:
-            raise ValueError(f"puts chunk {chunk_hash} at bytes {offset}..{offset + length}, beyond the "
-                             f"end of its pack ({pack_size} bytes)")
-        entries[chunk_hash] = (offset, length)
-    return entries
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def _stale(manifest: Manifest, fence: Fence) -> str:
     return (f"it was committed by a node agent of restart {manifest.meta.get('restart')} after restart "
             f"{fence.restart} of the job had begun (a stale agent's); it is not restored")
-
-
-def _object(doc: Any, keys: set[str], what: str) -> dict[str, Any]:
-    if not isinstance(doc, dict) or set(doc) != keys:
-        found = sorted(doc) if isinstance(doc, dict) else f"a {type(doc).__name__}"
-        raise ValueError(f"{what} must be an object with exactly the keys {sorted(keys)}, found {found}")
-    return doc
-
-
-def _array(value: Any, what: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ValueError(f"{what} must be an array, found a {type(value).__name__}")
-    return value
-
-
-def _file_from_doc(raw: Any) -> FileEntry:
-    entry = _object(raw, _FILE_KEYS, "each file entry")
-    path = check_relpath(entry["path"])
-    size = _int(entry["size"], f"the size of {path}")
-    chunks = _chunks_from_doc(_array(entry["chunks"], f"the chunks of {path}"), path)
-    if sum(c.length for c in chunks) != size:
-        raise ValueError(f"the chunks of {path} add up to {sum(c.length for c in chunks)} bytes, "
-                         f"not to its size {size}")
-    return FileEntry(path, _int(entry["mode"], f"the mode of {path}", high=0o7777), size, chunks)
-
-
-def _chunks_from_doc(raw: list[Any], path: str) -> tuple[ChunkRef, ...]:
-    """A file's [hash, length] pairs, checked all at once (a pages image has one per page); where
-    one is wrong, the check again pair by pair names it."""
-    if all(type(c) is list and len(c) == 2 for c in raw):
-        hashes, lengths = [c[0] for c in raw], [c[1] for c in raw]
-        if (all(type(h) is str for h in hashes) and set(map(len, hashes)) <= {32}
-                and _HEX.fullmatch("".join(hashes)) and all(type(n) is int for n in lengths)
-                and (not lengths or (min(lengths) >= 1 and max(lengths) <= MAX_CHUNK_LENGTH))):
-            return tuple(map(ChunkRef, hashes, lengths))
-    for chunk in raw:
-        if not (isinstance(chunk, list) and len(chunk) == 2 and isinstance(chunk[0], str)
-                and _HASH.fullmatch(chunk[0])):
-            raise ValueError(f"chunk {chunk!r} of {path} is not [32 hex digits, length]")
-        _int(chunk[1], f"the length of chunk {chunk[0]}", low=1, high=MAX_CHUNK_LENGTH)
-    raise AssertionError("the chunks passed one check and failed the other")  # pragma: no cover
-
-
-def _manifest_from_doc(doc: dict[str, Any]) -> Manifest:
-    _object(doc, _MANIFEST_KEYS, "the manifest")
-    files = [_file_from_doc(raw) for raw in _array(doc["files"], "files")]
-    if len({f.path for f in files}) != len(files):
-        raise ValueError("a file path is listed twice")
-    created_at, reason, meta = doc["created_at"], doc["reason"], doc["meta"]
-    if isinstance(created_at, bool) or not isinstance(created_at, int | float):
-        raise ValueError(f"created_at is {created_at!r}, not a number")
-    if not isinstance(reason, str) or not isinstance(meta, dict) or not isinstance(doc["job_id"], str):
-        raise ValueError("reason and job_id must be strings and meta an object")
-    logical = _int(doc["logical_bytes"], "logical_bytes")
-    if logical != sum(f.size for f in files) or job_key(doc["job_id"]) != doc["job_id"]:
-        raise ValueError("logical_bytes is not the sum of the file sizes, or job_id is not canonical")
-    return Manifest(job_id=doc["job_id"], seq=_int(doc["seq"], "seq", low=1), created_at=float(created_at),
-                    reason=reason, meta=meta, files=tuple(files), logical_bytes=logical,
-                    new_bytes=_int(doc["new_bytes"], "new_bytes", high=logical))
 
 
 @contextmanager
@@ -370,29 +199,6 @@ def _write_durably(path: Path, data: bytes) -> None:
         os.fsync(out.fileno())
 
 
-def _write(path: Path, data: bytes) -> None:
-    # Chunks are made durable together by one syncfs before the manifest is committed: a fsync per
-    # chunk would cost one disk flush per 16 KiB.
-    with open(path, "xb") as out:
-        out.write(data)
-
-
-_libc = None
-
-
-def _syncfs(path: Path) -> None:
-    """Flush everything written to the filesystem holding `path` (syncfs(2); sync(2) as a fallback)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if _libc.syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-
-
 def _fsync_dir(path: Path) -> None:
     # A rename or link is durable only once the folder that holds the new name is synced.
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -409,34 +215,45 @@ def _tree_bytes(path: Path) -> int:
     return sum((Path(top) / name).lstat().st_size for top, _, names in os.walk(path) for name in names)
 
 
-def _size(path: Path) -> int | None:
-    """The size of a file, None if there is none."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
+def _index_key(index: Path) -> tuple[Any, ...]:
+    """What tells a published index (and its pack) from another file that took its name, or from
+    damage: the index's stat, and its pack's size, against which its entries are checked."""
+    return (*stat_key(index), _size(index.with_suffix(".pack")))
 
 
-def _chunk_files(chunks_dir: Path) -> dict[str, Path]:
-    """hash -> path of every chunk file under a job's chunks/ folder."""
-    if not chunks_dir.is_dir():
-        return {}
-    return {path.name: path for sub in chunks_dir.iterdir() if sub.is_dir() for path in sub.iterdir()}
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """The offset in its file of each chunk."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    return ends - lengths
 
 
-def _offsets(entry: FileEntry) -> Iterator[tuple[int, int, ChunkRef]]:
-    """(index, offset in the file, chunk) for each chunk of a file."""
-    offset = 0
-    for index, ref in enumerate(entry.chunks):
-        yield index, offset, ref
-        offset += ref.length
+class _PackGone(Exception):
+    """A pack the index named is gone (deleted, or compacted into another since the index was read)."""
+
+    def __init__(self, refusal: CorruptCheckpoint):
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
+class _Sink:
+    """Writes a restored file; `restart` empties it to write it again from the start."""
+
+    def __init__(self, out: Any):
+        self.out = out
+
+    def __call__(self, data: memoryview) -> None:
+        self.out.write(data)
+
+    def restart(self) -> None:
+        self.out.seek(0)
+        self.out.truncate()
 
 
 class CheckpointStore:
     """All checkpoints of all jobs under one root folder (a shared filesystem)."""
 
     def __init__(self, root: str | os.PathLike[str], *, clock: Callable[[], float] = time.time,
-                 max_chunk: int = DEFAULT_MAX_CHUNK, pack_chunks: bool = False):
+                 max_chunk: int = DEFAULT_MAX_CHUNK):
         valid = isinstance(max_chunk, int) and not isinstance(max_chunk, bool)
         if not valid or not 0 < max_chunk <= MAX_CHUNK_LENGTH:
             raise InvalidCheckpointRequest(f"max_chunk {max_chunk!r} must be a number of bytes in "
@@ -446,63 +263,58 @@ class CheckpointStore:
         self.max_chunk = max_chunk
         self._open_packs: dict[Path, int] = {}  # fds of packs read by the current verify or restore
         self._damaged: dict[Path, dict[str, str]] = {}  # packs folder -> index name -> why it was skipped
-        # index file -> ((its size, mtime, inode, its pack's size), entries): a published pack and its
-        # index never change, so an index is parsed again only when another file took its name
-        self._parsed: dict[Path, tuple[tuple[int, int, int, int | None], dict[str, tuple[int, int]]]] = {}
-        # Pack mode: a writer appends its new chunks to one pack file (with a JSON index) instead of
-        # one file per chunk, so page-sized chunks cost no more than big ones. Readers handle both.
-        self.pack_chunks = pack_chunks
+        # packs folder -> its PackIndex: a published pack and its index never change, so the index is
+        # built again only when indexes came or went (or another file took an index's name)
+        self._indexes: dict[Path, tuple[list[Any], PackIndex, dict[str, str]]] = {}
 
     # --- layout ------------------------------------------------------------------------------------
 
     def job_dir(self, job_id: int | str) -> Path:
         return self.root / "jobs" / job_key(job_id)
 
-    def chunk_path(self, job_id: int | str, chunk_hash: str) -> Path:
-        return self.job_dir(job_id) / "chunks" / chunk_hash[:2] / chunk_hash
-
     def packs_dir(self, job_id: int | str) -> Path:
         return self.job_dir(job_id) / "packs"
 
-    def pack_index(self, job_id: int | str) -> dict[str, tuple[Path, int, int]]:
-        """hash -> (pack file, offset, length) of every packed chunk of the job.
+    def pack_index(self, job_id: int | str) -> PackIndex:
+        """Where every packed chunk of the job lies.
 
         A damaged index is skipped (its chunks read as missing, so the checkpoints that need them are
         refused, and the refusal names it); `damaged_indexes` says which and why.
         """
-        index: dict[str, tuple[Path, int, int]] = {}
         folder = self.packs_dir(job_id)
         damaged = self._damaged.setdefault(folder, {})
         damaged.clear()
         try:
-            names = sorted(os.listdir(folder))
+            names = sorted(name for name in os.listdir(folder) if name.endswith(".idx"))
         except FileNotFoundError:
-            return index
-        present = set()
+            names = []
+        found: list[tuple[Path, tuple[int, int, int]]] = []
         for name in names:
-            if not name.endswith(".idx"):
-                continue
-            pack, path = folder / (name[:-4] + ".pack"), folder / name
-            present.add(path)
             try:
-                info = os.stat(path)
-                key = (info.st_size, info.st_mtime_ns, info.st_ino, _size(pack))
-                cached = self._parsed.get(path)
-                if cached is not None and cached[0] == key:
-                    entries = cached[1]
-                else:
-                    entries = read_pack_index(path, key[3])
-                    self._parsed[path] = (key, entries)
+                found.append((folder / name, _index_key(folder / name)))
             except OSError as exc:
                 damaged[name] = f"cannot be read ({exc})"
-                continue
-            except ValueError as exc:
-                damaged[name] = str(exc)
-                continue
-            for chunk_hash, (offset, length) in entries.items():
-                index.setdefault(chunk_hash, (pack, offset, length))
-        for gone in [path for path in self._parsed if path.parent == folder and path not in present]:
-            del self._parsed[gone]
+        cached = self._indexes.get(folder)
+        if cached is not None and cached[0] == found:
+            damaged.update(cached[2])
+            return cached[1]
+        previous = {} if cached is None else dict(zip(cached[1].sources, cached[1].parts, strict=True))
+        sources, parts = [], []
+        for path, key in found:
+            part = previous.get((path, key))
+            if part is None:
+                try:
+                    part = read_pack_index(path, _size(path.with_suffix(".pack")))
+                except OSError as exc:
+                    damaged[path.name] = f"cannot be read ({exc})"
+                    continue
+                except ValueError as exc:
+                    damaged[path.name] = str(exc)
+                    continue
+            sources.append((path, key))
+            parts.append(part)
+        index = PackIndex(sources, parts)
+        self._indexes[folder] = (found, index, dict(damaged))
         return index
 
     def damaged_indexes(self, job_id: int | str) -> list[Skipped]:
@@ -518,15 +330,16 @@ class CheckpointStore:
         return " (" + "; ".join(f"{d.what} was skipped: it {d.reason}" for d in damaged) + ")"
 
     def locate(self, job_id: int | str, chunk_hash: str) -> tuple[Path, int, int] | None:
-        """Where a chunk's bytes are: (file, offset, length), or None when the store lacks it."""
-        loose = self.chunk_path(job_id, chunk_hash)
-        size = _size(loose)
-        if size is not None:
-            return loose, 0, size
-        return self.pack_index(job_id).get(chunk_hash)
+        """Where a chunk's bytes are: (pack, offset, length), or None when the store lacks it."""
+        if not isinstance(chunk_hash, str) or not _HASH.fullmatch(chunk_hash):
+            raise InvalidCheckpointRequest(f"{chunk_hash!r} is not a chunk hash (32 hex digits)")
+        return self.pack_index(job_id).get(bytes.fromhex(chunk_hash))
 
     def manifest_path(self, job_id: int | str, seq: int) -> Path:
-        return self.job_dir(job_id) / "manifests" / f"{seq:08d}.json"
+        """The manifest file of checkpoint `seq` (of format 1 where that is the one there)."""
+        path = self.job_dir(job_id) / "manifests" / f"{seq:08d}.mf"
+        old = path.with_suffix(".json")
+        return old if not path.exists() and old.exists() else path
 
     def read_fence(self, job_id: int | str) -> Fence | None:
         """The job's fence (see Fence), or None: none yet, or a damaged one (nothing is fenced out)."""
@@ -563,7 +376,7 @@ class CheckpointStore:
     # --- writing -----------------------------------------------------------------------------------
 
     def begin(self, job_id: int | str, *, reason: str,
-              meta: Mapping[str, Any] | None = None) -> CheckpointWriter:
+              meta: MappingABC[str, Any] | None = None) -> CheckpointWriter:
         """Start writing a checkpoint; see CheckpointWriter."""
         return CheckpointWriter(self, job_key(job_id), reason=reason, meta=meta)
 
@@ -575,18 +388,18 @@ class CheckpointStore:
             names = os.listdir(self.job_dir(job_id) / "manifests")
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for name in names if (m := _MANIFEST_NAME.fullmatch(name)))
+        return sorted({int(m.group(1)) for name in names if (m := _MANIFEST_NAME.fullmatch(name))})
 
     def read(self, job_id: int | str, seq: int) -> Manifest:
         """The manifest of checkpoint `seq`; CorruptCheckpoint if it is unreadable."""
         job, path = job_key(job_id), self.manifest_path(job_id, seq)
         try:
-            text = path.read_bytes()
+            data = path.read_bytes()
         except FileNotFoundError:
             raise NoCheckpoint(f"job {job} has no checkpoint {seq} in {self.root}") from None
         except OSError as exc:
             raise CheckpointError(f"cannot read {path}: {exc}; check that the store is mounted") from exc
-        return Manifest.from_json(text, job_id=job, seq=seq, where=str(path))
+        return Manifest.from_bytes(data, job_id=job, seq=seq, where=str(path))
 
     def list(self, job_id: int | str) -> list[Manifest]:
         """Committed checkpoints whose manifests are readable, oldest first (`checked` names the rest)."""
@@ -600,102 +413,94 @@ class CheckpointStore:
                                "start it from the beginning")
         return self.read(job_id, seqs[-1])
 
-    def _chunk_data(self, manifest: Manifest, entry: FileEntry, index: int, offset: int,
-                    ref: ChunkRef, packs: dict[str, tuple[Path, int, int]] | None = None) -> bytes:
-        """The verified bytes of one chunk of a file of a checkpoint (loose, or in a pack)."""
-        path = self.chunk_path(manifest.job_id, ref.hash)
-        if packs and ref.hash in packs and _size(path) is None:
-            return self._packed_chunk(manifest, entry, index, offset, ref, packs[ref.hash])
+    def _file_data(self, manifest: Manifest, entry: FileEntry, index: PackIndex) -> Iterator[memoryview]:
+        """A file's verified bytes, in pieces. Chunks that lie back to back in one pack (as a
+        checkpoint's new pages do) are read together and checked slice by slice."""
+        digests, lengths = entry.digest_array(), entry.length_array().astype(np.int64)
+        if not len(digests):
+            return
+        at = index.find(digests)
+        offsets = _offsets(lengths)
 
-        def refuse(problem: str) -> CorruptCheckpoint:
-            where = f"chunk {index} ({ref.hash}, bytes {offset}..{offset + ref.length}) of {entry.path}"
+        def refuse(i: int, problem: str) -> CorruptCheckpoint:
+            chunk = digests[i].tobytes().hex()
+            where = f"chunk {i} ({chunk}, bytes {offsets[i]}..{offsets[i] + lengths[i]}) of {entry.path}"
             return CorruptCheckpoint(manifest.job_id, manifest.seq, f"{where} {problem}", path=entry.path,
-                                     chunk=ref.hash)
+                                     chunk=chunk)
 
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise refuse(f"is missing from {path.parent}{self._missing_hint(manifest.job_id)}") from None
-        except OSError as exc:
-            # Not CorruptCheckpoint: a transient error (a stale NFS handle) must not make latest_valid
-            # fall back to an older checkpoint and throw away the job's progress.
-            raise CheckpointError(f"cannot read chunk {path}: {exc}; check the store and retry") from exc
-        if len(data) != ref.length:
-            raise refuse(f"is corrupt: it has {len(data)} bytes instead of {ref.length}")
-        if xxhash.xxh3_128_hexdigest(data) != ref.hash:
-            raise refuse("is corrupt: its content no longer matches its hash")
-        return data
+        missing = np.flatnonzero(at < 0)
+        if missing.size:
+            raise refuse(int(missing[0]), f"is missing from {self.packs_dir(manifest.job_id)}"
+                                          f"{self._missing_hint(manifest.job_id)}")
+        packs, starts = index.pack[at], index.offset[at].astype(np.int64)
+        wrong = np.flatnonzero(index.length[at] != lengths)
+        if wrong.size:
+            i = int(wrong[0])
+            raise refuse(i, f"is corrupt: its pack {index.packs[packs[i]].name} holds "
+                            f"{int(index.length[at[i]])} bytes for it instead of {lengths[i]}")
+        # A run: chunks lying back to back in the same pack.
+        breaks = np.flatnonzero((packs[1:] != packs[:-1]) | (starts[1:] != starts[:-1] + lengths[:-1])) + 1
+        run_end = np.repeat(np.append(breaks, len(at)), np.diff(np.concatenate(([0], breaks, [len(at)]))))
+        lengths_l, run_end_l, raw = lengths.tolist(), run_end.tolist(), entry.digests
+        i, n = 0, len(lengths_l)
+        while i < n:
+            j, size = i + 1, lengths_l[i]
+            while j < run_end_l[i] and size + lengths_l[j] <= RESTORE_READ:
+                size += lengths_l[j]
+                j += 1
+            pack = index.packs[int(packs[i])]
+            try:
+                data = os.pread(self._pack_fd(pack), size, int(starts[i]))
+            except FileNotFoundError:
+                raise _PackGone(refuse(i, f"is missing: its pack {pack} is gone")) from None
+            except OSError as exc:
+                # Not CorruptCheckpoint: a transient error (a stale NFS handle) must not make
+                # latest_valid fall back to an older checkpoint and throw away the job's progress.
+                raise CheckpointError(f"cannot read pack {pack}: {exc}; check the store and retry") from exc
+            if len(data) != size:
+                k, end = i, lengths_l[i]
+                while end <= len(data):
+                    k, end = k + 1, end + lengths_l[k + 1]
+                have = max(len(data) - (end - lengths_l[k]), 0)
+                raise refuse(k, f"is corrupt: it has {have} bytes in {pack.name} instead of {lengths_l[k]}")
+            view, cut = memoryview(data), 0
+            for k in range(i, j):
+                length = lengths_l[k]
+                if xxhash.xxh3_128_digest(view[cut:cut + length]) != raw[16 * k:16 * k + 16]:
+                    raise refuse(k, f"is corrupt: its content in {pack.name} no longer matches its hash")
+                cut += length
+            yield view
+            i = j
 
-    def _packed_chunk(self, manifest: Manifest, entry: FileEntry, index: int, offset: int, ref: ChunkRef,
-                      where: tuple[Path, int, int]) -> bytes:
-        pack, at, length = where
-        problem = None
+    def _read_file(self, manifest: Manifest, entry: FileEntry, index: PackIndex,
+                   out: Callable[[memoryview], Any]) -> PackIndex:
+        """Pass a file's verified bytes to `out`; returns the index it was read with. A pack gone
+        since the index was read may have been compacted into another: the file is read again once
+        with a fresh index (`out` is then called again from the file's start)."""
         try:
-            data = os.pread(self._pack_fd(pack), length, at)
-        except FileNotFoundError:
-            data, problem = b"", f"is missing: its pack {pack} is gone"
-        except OSError as exc:
-            raise CheckpointError(f"cannot read pack {pack}: {exc}; check the store and retry") from exc
-        if problem is None and (len(data) != ref.length or length != ref.length):
-            problem = f"is corrupt: it has {len(data)} bytes in {pack.name} instead of {ref.length}"
-        if problem is None and xxhash.xxh3_128_hexdigest(data) != ref.hash:
-            problem = f"is corrupt: its content in {pack.name} no longer matches its hash"
-        if problem:
-            where_text = f"chunk {index} ({ref.hash}, bytes {offset}..{offset + ref.length}) of {entry.path}"
-            raise CorruptCheckpoint(manifest.job_id, manifest.seq, f"{where_text} {problem}",
-                                    path=entry.path, chunk=ref.hash)
-        return data
+            for data in self._file_data(manifest, entry, index):
+                out(data)
+            return index
+        except _PackGone:
+            index = self.pack_index(manifest.job_id)
+            restart = getattr(out, "restart", None)
+            if restart is not None:
+                restart()
+        try:
+            for data in self._file_data(manifest, entry, index):
+                out(data)
+        except _PackGone as gone:
+            raise gone.refusal from None
+        return index
 
     def verify(self, manifest: Manifest) -> None:
         """Read every chunk and check its length and hash; CorruptCheckpoint names the first bad one."""
-        checked: set[str] = set()
-        packs = self.pack_index(manifest.job_id)
+        index = self.pack_index(manifest.job_id)
         try:
             for entry in manifest.files:
-                for index, offset, ref in _offsets(entry):
-                    if ref.hash not in checked:
-                        self._chunk_data(manifest, entry, index, offset, ref, packs)
-                        checked.add(ref.hash)
+                index = self._read_file(manifest, entry, index, lambda data: None)
         finally:
             self._close_packs()
-
-    def _file_data(self, manifest: Manifest, entry: FileEntry,
-                   packs: dict[str, tuple[Path, int, int]]) -> Iterator[bytes]:
-        """A file's verified bytes, in pieces. Chunks that lie back to back in one pack (as a
-        checkpoint's new pages do) are read with one pread and checked slice by slice."""
-        chunks = list(_offsets(entry))
-        i = 0
-        while i < len(chunks):
-            index, offset, ref = chunks[i]
-            where = packs.get(ref.hash)
-            if where is None:
-                yield self._chunk_data(manifest, entry, index, offset, ref, packs)
-                i += 1
-                continue
-            pack, start, _ = where
-            j, end = i + 1, start + ref.length
-            while j < len(chunks) and packs.get(chunks[j][2].hash, (None, -1, 0))[:2] == (pack, end):
-                end += chunks[j][2].length
-                j += 1
-            try:
-                data = os.pread(self._pack_fd(pack), end - start, start)
-            except OSError:
-                data = b""
-            view, at = memoryview(data), 0
-            intact = len(data) == end - start
-            for k in range(i, j if intact else i):
-                length = chunks[k][2].length
-                if xxhash.xxh3_128_hexdigest(view[at:at + length]) != chunks[k][2].hash:
-                    intact = False
-                    break
-                at += length
-            if not intact:
-                # Let the one-chunk path find and name the bad chunk.
-                for k in range(i, j):
-                    yield self._chunk_data(manifest, entry, *chunks[k], packs)
-            else:
-                yield data
-            i = j
 
     def _pack_fd(self, pack: Path) -> int:
         """An fd of `pack`, kept open until the current verify or restore ends."""
@@ -717,7 +522,7 @@ class CheckpointStore:
         """
         dest = Path(dest_dir)
         written: list[Path] = []
-        packs = self.pack_index(manifest.job_id)
+        index = self.pack_index(manifest.job_id)
         try:
             for entry in manifest.files:
                 target = dest / entry.path
@@ -728,8 +533,7 @@ class CheckpointStore:
                 tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.restoring")
                 try:
                     with open(tmp, "xb") as out:
-                        for data in self._file_data(manifest, entry, packs):
-                            out.write(data)
+                        index = self._read_file(manifest, entry, index, _Sink(out))
                         # Permission bits only: a checkpoint must not be a way to create setuid files.
                         os.fchmod(out.fileno(), entry.mode & 0o777)
                     os.replace(tmp, target)
@@ -747,11 +551,13 @@ class CheckpointStore:
             raise
         return written
 
-    def latest_valid(self, job_id: int | str,
-                     where: Callable[[Manifest], bool] | None = None) -> tuple[Manifest, list[Refusal]]:
+    def latest_valid(self, job_id: int | str, where: Callable[[Manifest], bool] | None = None, *,
+                     verify: bool = True) -> tuple[Manifest, list[Refusal]]:
         """The newest checkpoint that verifies, and the newer ones refused on the way (newest first).
 
         `where` skips checkpoints it rejects (those of another run of the job) without refusing them.
+        With verify=False only its manifest is read and checked: for a caller that restores it next,
+        since `restore` verifies every chunk as it writes it (and refuses it as this would).
         """
         refused: list[Refusal] = []
         fence = self.read_fence(job_id)
@@ -763,7 +569,8 @@ class CheckpointStore:
                 if fence is not None and fence.excludes(manifest):
                     refused.append(Refusal(seq, _stale(manifest, fence)))
                     continue
-                self.verify(manifest)
+                if verify:
+                    self.verify(manifest)
             except NoCheckpoint:  # pruned since we listed the folder
                 continue
             except CorruptCheckpoint as exc:
@@ -777,11 +584,11 @@ class CheckpointStore:
     # --- retention ---------------------------------------------------------------------------------
 
     def prune(self, job_id: int | str, keep: int, *, tmp_grace_s: float = DEFAULT_TMP_GRACE_S) -> PruneResult:
-        """Delete all but the newest `keep` readable checkpoints, then the chunks none of the rest uses.
+        """Delete all but the newest `keep` readable checkpoints, then the packs none of the rest uses.
 
         An unreadable manifest is skipped (named in the result): it neither counts as kept nor is
         deleted, and its chunks are not protected, since no version can restore it. One written by a
-        newer version defers the chunk collection instead, as its chunks are unknown here.
+        newer version defers the collection instead, as its chunks are unknown here.
         """
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidCheckpointRequest(f"keep={keep!r}: prune must keep at least 1 checkpoint; "
@@ -791,17 +598,19 @@ class CheckpointStore:
 
     def drop(self, job_id: int | str, seqs: Sequence[int], *,
              tmp_grace_s: float = DEFAULT_TMP_GRACE_S) -> PruneResult:
-        """Delete the checkpoints `seqs`, then the chunks no remaining checkpoint references."""
+        """Delete the checkpoints `seqs`, then the packs no remaining checkpoint references."""
         doomed = tuple(sorted(set(seqs)))
+        folder = self.job_dir(job_id) / "manifests"
         with _store_io(self.root, f"prune checkpoints of job {job_key(job_id)}"):
             for seq in doomed:
-                self.manifest_path(job_id, seq).unlink(missing_ok=True)
+                for suffix in ("mf", "json"):
+                    (folder / f"{seq:08d}.{suffix}").unlink(missing_ok=True)
             if doomed:
-                _fsync_dir(self.job_dir(job_id) / "manifests")
+                _fsync_dir(folder)
             return self._collect(job_id, doomed, tmp_grace_s)
 
     def collect_garbage(self, job_id: int | str, *, tmp_grace_s: float = DEFAULT_TMP_GRACE_S) -> PruneResult:
-        """Delete unreferenced chunks and dead writers' tmp entries, keeping every checkpoint."""
+        """Delete unreferenced packs and dead writers' tmp entries, keeping every checkpoint."""
         with _store_io(self.root, f"collect garbage of job {job_key(job_id)}"):
             return self._collect(job_id, (), tmp_grace_s)
 
@@ -827,10 +636,12 @@ class CheckpointStore:
             manifests.append(manifest)
         return manifests, skipped, newer
 
-    def _referenced(self, job_id: int | str) -> tuple[set[str], list[Skipped], bool]:
-        """Chunks the readable checkpoints use, the manifests skipped, and whether GC must wait."""
+    def _referenced(self, job_id: int | str) -> tuple[np.ndarray, list[Skipped], bool]:
+        """The digests the readable checkpoints use (sorted, unique), the manifests skipped, and
+        whether GC must wait."""
         manifests, skipped, newer = self.checked(job_id)
-        return {ref.hash for m in manifests for entry in m.files for ref in entry.chunks}, skipped, newer
+        parts = [entry.digest_array() for m in manifests for entry in m.files]
+        return np.unique(np.concatenate(parts)) if parts else np.empty(0, DIGEST), skipped, newer
 
     def _active_writers(self, job_id: int | str, grace_s: float) -> list[Path]:
         """Writer folders in tmp/ young enough to belong to a live writer."""
@@ -856,45 +667,116 @@ class CheckpointStore:
                 else:
                     entry.unlink(missing_ok=True)
                 tmp_entries += 1
-        # The order matters: chunks listed first, writers checked next, manifests read last. A writer
-        # that commits after the check started after it too, so its new chunks are not in our listing.
-        on_disk = _chunk_files(self.job_dir(job_id) / "chunks")
+        # The order matters: packs listed first, writers checked next, manifests read last. A writer
+        # that commits after the check started after it too, so its pack is not in our listing.
+        folder = self.packs_dir(job_id)
+        listed = sorted(folder.iterdir()) if folder.is_dir() else []
         if self._active_writers(job_id, grace_s):
             return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True)
-        packs = sorted(self.packs_dir(job_id).glob("*.idx"))
         referenced, skipped, newer = self._referenced(job_id)
         if newer:
             return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True,
                                skipped=tuple(skipped))
         chunks = chunk_bytes = 0
-        for name, path in on_disk.items():
-            if name not in referenced:
+        sparse: list[tuple[Path, np.ndarray, int, int]] = []
+        names = {path.name for path in listed}
+        for path in listed:
+            if path.suffix == ".pack" and path.with_suffix(".idx").name not in names:
+                # A pack whose index was never published (its writer died between the two renames).
                 try:
-                    size = path.stat().st_size
-                    path.unlink()
+                    if self.clock() - path.stat().st_mtime >= grace_s:
+                        chunk_bytes += path.stat().st_size
+                        path.unlink()
                 except FileNotFoundError:
-                    continue
-                chunks, chunk_bytes = chunks + 1, chunk_bytes + size
-        for idx in packs:
-            # A pack goes once no kept checkpoint uses any of its chunks (a partly used one stays).
-            pack = idx.with_suffix(".pack")
+                    pass
+                continue
+            if path.suffix != ".idx":
+                continue
+            pack = path.with_suffix(".pack")
             try:
-                hashes = read_pack_index(idx, _size(pack))
+                entries = read_pack_index(path, _size(pack))
             except FileNotFoundError:
                 continue
             except (OSError, ValueError) as exc:
-                skipped.append(Skipped(f"pack index {idx}", str(exc)))  # left for whoever inspects it
+                skipped.append(Skipped(f"pack index {path}", str(exc)))  # left for whoever inspects it
                 continue
-            if hashes.keys() & referenced:
+            # A pack goes once no kept checkpoint uses any of its chunks; a mostly dead one is compacted.
+            live = np.isin(entries["digest"], referenced) if len(referenced) else np.zeros(len(entries), bool)
+            if live.any():
+                size = _size(pack) or 0
+                if int(entries["length"][live].sum(dtype=np.uint64)) < COMPACT_BELOW * size:
+                    sparse.append((path, entries[live], size, len(entries) - int(live.sum())))
                 continue
             size = _size(pack) or 0
             pack.unlink(missing_ok=True)
-            idx.unlink(missing_ok=True)
-            chunks, chunk_bytes = chunks + len(hashes), chunk_bytes + size
-        return PruneResult(doomed, chunks, chunk_bytes, tmp_entries, tmp_bytes, skipped=tuple(skipped))
+            path.unlink(missing_ok=True)
+            chunks, chunk_bytes = chunks + len(entries), chunk_bytes + size
+        compacted = 0
+        if sparse:
+            compacted, freed, dead, refused = self._compact(job_id, sparse)
+            chunks, chunk_bytes = chunks + dead, chunk_bytes + freed
+            skipped.extend(refused)
+        return PruneResult(doomed, chunks, chunk_bytes, tmp_entries, tmp_bytes, skipped=tuple(skipped),
+                           packs_compacted=compacted)
+
+    def _compact(self, job_id: int | str, sparse: list[tuple[Path, np.ndarray, int, int]],
+                 ) -> tuple[int, int, int, list[Skipped]]:
+        """Copy the live chunks of mostly dead packs into one new pack, verified on the way, then remove
+        the old packs. Returns (packs compacted, bytes freed, dead chunks dropped, packs left alone)."""
+        folder, tmp = self.packs_dir(job_id), self.job_dir(job_id) / "tmp" / f"compact-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)  # marks a writer at work: another collection leaves packs alone meanwhile
+        done: list[tuple[Path, int, int]] = []
+        refused: list[Skipped] = []
+        digests, offsets, lengths = [], [], []
+        try:
+            with open(tmp / "chunks.pack", "xb") as out:
+                for idx, live, size, dead in sparse:
+                    live = live[np.argsort(live["offset"], kind="stable")]
+                    start = out.tell()
+                    try:
+                        for data in self._live_chunks(idx.with_suffix(".pack"), live):
+                            out.write(data)
+                    except (OSError, ValueError) as exc:
+                        out.seek(start)
+                        out.truncate()
+                        refused.append(Skipped(f"pack {idx.with_suffix('.pack')}",
+                                               f"was not compacted: {exc}"))
+                        continue
+                    digests.append(live["digest"])
+                    offsets.append(np.cumsum(live["length"], dtype=np.uint64) - live["length"] + start)
+                    lengths.append(live["length"])
+                    done.append((idx, size - (out.tell() - start), dead))
+                if not done:
+                    return 0, 0, 0, refused
+                out.flush()
+                os.fsync(out.fileno())
+            _write_durably(tmp / "chunks.idx", encode_index(np.concatenate(digests), np.concatenate(offsets),
+                                                            np.concatenate(lengths)))
+            name = tmp.name
+            os.replace(tmp / "chunks.pack", folder / f"{name}.pack")
+            os.replace(tmp / "chunks.idx", folder / f"{name}.idx")
+            _fsync_dir(folder)
+            for idx, _, _ in done:  # the index first: a reader that lists the folder now reads the new one
+                idx.unlink(missing_ok=True)
+                idx.with_suffix(".pack").unlink(missing_ok=True)
+            _fsync_dir(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return len(done), sum(f for _, f, _ in done), sum(d for _, _, d in done), refused
+
+    @staticmethod
+    def _live_chunks(pack: Path, live: np.ndarray) -> Iterator[bytes]:
+        """The bytes of `live` entries (sorted by offset) of one pack, each checked against its digest."""
+        with open(pack, "rb", buffering=0) as source:
+            fd = source.fileno()
+            for entry in live:
+                data = os.pread(fd, int(entry["length"]), int(entry["offset"]))
+                if xxhash.xxh3_128_digest(data) != entry["digest"].tobytes():
+                    raise ValueError(f"its chunk {entry['digest'].tobytes().hex()} does not match its hash")
+                yield data
 
     def delete_job(self, job_id: int | str) -> int:
-        """Remove every checkpoint of the job; returns the chunk bytes freed."""
+        """Remove every checkpoint of the job; returns the pack bytes freed."""
         job_dir = self.job_dir(job_id)
         doomed = job_dir.with_name(f".deleting-{job_dir.name}-{uuid.uuid4().hex[:8]}")
         with _store_io(self.root, f"delete the checkpoints of job {job_dir.name}"):
@@ -903,22 +785,26 @@ class CheckpointStore:
                 os.rename(job_dir, doomed)
             except FileNotFoundError:
                 return 0
-            freed = sum(path.stat().st_size for path in _chunk_files(doomed / "chunks").values())
-            freed += sum(path.stat().st_size for path in (doomed / "packs").glob("*.pack"))
+            freed = sum(path.stat().st_size for path in (doomed / "packs").glob("*.pack"))
             shutil.rmtree(doomed)
         return freed
 
     def job_usage(self, job_id: int | str) -> int:
-        """Bytes of the job's chunk and pack files (their sizes, whatever checkpoints reference them)."""
-        loose = sum(path.stat().st_size for path in _chunk_files(self.job_dir(job_id) / "chunks").values())
-        return loose + sum(path.stat().st_size for path in self.packs_dir(job_id).glob("*.pack"))
+        """Bytes of the job's pack files (their sizes, whatever checkpoints reference them)."""
+        return sum(path.stat().st_size for path in self.packs_dir(job_id).glob("*.pack"))
 
 
 class CheckpointWriter:
     """One checkpoint being written. Nothing is visible until `commit`; leaving a `with` block without
-    committing, or with an exception, aborts it."""
+    committing, or with an exception, aborts it.
 
-    def __init__(self, store: CheckpointStore, job_id: str, *, reason: str, meta: Mapping[str, Any] | None):
+    New chunks go to one pack of the writer's own; chunks the job's packs already hold (as the store's
+    index said when the writer began) are referenced where they are. Memory: 20 bytes a chunk for the
+    manifest, about 44 more for each new one, and the job's index (32 bytes a stored chunk).
+    """
+
+    def __init__(self, store: CheckpointStore, job_id: str, *, reason: str,
+                 meta: MappingABC[str, Any] | None):
         if not isinstance(reason, str):
             raise InvalidCheckpointRequest(f"reason {reason!r} must be a string such as 'preemption'")
         try:
@@ -931,25 +817,27 @@ class CheckpointWriter:
         self._dir = store.job_dir(job_id)
         self._paths: set[str] = set()
         self._folders: set[str] = set()  # parents of added paths: a file may not also be a folder
-        self._refs: dict[str, int] = {}  # hash -> length of every chunk referenced
-        self._new: dict[str, int] = {}  # the chunks this writer stored
-        self._synced_dirs: set[Path] = set()
         self._state = "open"  # -> "committed" | "aborted"
         self._tmp = self._dir / "tmp" / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._published: list[Path] = []
         with _store_io(store.root, f"start a checkpoint of job {job_id}"):
-            for sub in ("chunks", "manifests"):
+            for sub in ("packs", "manifests"):
                 (self._dir / sub).mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(parents=True)
-            # Unbuffered: a full disk must fail the write of the chunk, inside _store_io, not a later flush.
-            self._pack = open(self._tmp / "chunks.pack", "ab", buffering=0) if store.pack_chunks else None
-        self._pack_entries: dict[str, list[int]] = {}
+            # Unbuffered: a full disk must fail the write of a block, inside _store_io, not a later flush.
+            self._pack = open(self._tmp / "chunks.pack", "ab", buffering=0)
+        # Chunks the store already holds: dedup against them, and remember which packs we relied on.
+        self._index = store.pack_index(job_id)
+        self._used = np.zeros(len(self._index.packs), bool)
+        self._seen = DigestSet()  # this writer's new chunks
+        self._new_digests = bytearray()
+        self._new_offsets = array("Q")
+        self._new_lengths = array("I")
+        self._new_bytes = 0
         # Chunks go to the pack a block at a time, each write inside _store_io: a full disk fails
         # the write that hits it, and the writer aborts at once.
         self._pack_buffer = bytearray()
         self._pack_offset = 0
-        # Chunks the store already holds, loose or packed: dedup against them without a stat each.
-        self._known: set[str] = (set(_chunk_files(self._dir / "chunks")) | set(store.pack_index(job_id))
-                                 if store.pack_chunks else set())
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -977,8 +865,9 @@ class CheckpointWriter:
         except InvalidCheckpointRequest as exc:
             raise InvalidCheckpointRequest(f"{path}: {exc}") from None
 
-    def _record(self, path: str, mode: int, size: int, chunks: list[ChunkRef]) -> FileEntry:
-        entry = FileEntry(path, mode, size, tuple(chunks))
+    def _record(self, path: str, mode: int, size: int, digests: bytearray, lengths: array) -> FileEntry:
+        entry = FileEntry(path, mode, size, bytes(digests),
+                          np.frombuffer(lengths, np.uint32).astype(LENGTHS).tobytes())
         self.files.append(entry)
         self._paths.add(path)
         self._folders.update("/".join(path.split("/")[:i]) for i in range(1, path.count("/") + 1))
@@ -996,61 +885,67 @@ class CheckpointWriter:
             info = os.fstat(source.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidCheckpointRequest(f"{source_path} is not a regular file; only files are stored")
-            chunks = []
+            digests, lengths = bytearray(), array("I")
             buffer, start = b"", 0  # the file's bytes from offset `start`, read a block at a time
+            batch: list[tuple[int, int]] = []  # the spans in `buffer` not yet stored
             for offset, length in self._spans(path, info.st_size, boundaries):
                 if offset + length > start + len(buffer):
+                    self._store(buffer, start, batch, digests)
+                    batch = []
                     buffer = buffer[offset - start:] + source.read(max(READ_BLOCK, length))
                     start = offset
                     if offset + length > start + len(buffer):
                         raise CheckpointError(f"{source_path} shrank while it was being stored; checkpoint "
                                               "again once its writer has stopped")
-                chunks.append(self._put(memoryview(buffer)[offset - start:offset - start + length]))
-        return self._record(path, stat.S_IMODE(info.st_mode), info.st_size, chunks)
+                batch.append((offset, length))
+                lengths.append(length)
+            self._store(buffer, start, batch, digests)
+        return self._record(path, stat.S_IMODE(info.st_mode), info.st_size, digests, lengths)
 
     def add_bytes(self, relpath: str, data: bytes, *, mode: int = 0o644,
                   boundaries: Sequence[int] | None = None) -> FileEntry:
         path = self._check_new_path(relpath)
-        view = memoryview(data)
-        chunks = [self._put(bytes(view[o:o + n])) for o, n in self._spans(path, len(view), boundaries)]
-        return self._record(path, mode & 0o7777, len(view), chunks)
+        spans = self._spans(path, len(data), boundaries)
+        digests = bytearray()
+        self._store(data, 0, spans, digests)
+        return self._record(path, mode & 0o7777, len(data), digests, array("I", (n for _, n in spans)))
 
-    def _put(self, data: bytes | memoryview) -> ChunkRef:
-        ref = ChunkRef(xxhash.xxh3_128_hexdigest(data), len(data))
-        if ref.hash in self._refs:
-            return ref
-        if self._pack is not None:
-            return self._put_packed(ref, data)
-        final = self.store.chunk_path(self.job_id, ref.hash)
+    def _store(self, buffer: bytes, start: int, spans: list[tuple[int, int]], digests: bytearray) -> None:
+        """Hash the chunks at `spans` of `buffer` (which begins at file offset `start`), append their
+        digests to `digests`, and add the ones the store lacks to this writer's pack."""
+        if not spans:
+            return
+        view = memoryview(buffer)
+        hashed = [xxhash.xxh3_128_digest(view[o - start:o - start + n]) for o, n in spans]
+        joined = b"".join(hashed)
+        digests += joined
+        found = self._index.find(np.frombuffer(joined, DIGEST))
+        known = found >= 0
+        self._used[self._index.pack[found[known]]] = True
+        fresh = np.flatnonzero(~known)
+        if not fresh.size:
+            return
+        seen = self._seen.in_sorted(np.frombuffer(joined, DIGEST)[fresh])
         try:
-            with _store_io(self.store.root, f"store chunk {ref.hash} of job {self.job_id}"):
-                if _size(final) != ref.length:  # absent, or cut short by an earlier crash: (re)write it
-                    _write(self._tmp / ref.hash, data)
-                    final.parent.mkdir(exist_ok=True)
-                    os.replace(self._tmp / ref.hash, final)
-                    self._new[ref.hash] = ref.length
-                    self._synced_dirs.add(final.parent)
+            with _store_io(self.store.root, f"store chunks of job {self.job_id}"):
+                for i, old in zip(fresh.tolist(), seen.tolist(), strict=True):
+                    digest = hashed[i]
+                    if old or digest in self._seen.recent:
+                        continue
+                    self._seen.add(digest)
+                    offset, length = spans[i]
+                    self._new_digests += digest
+                    self._new_offsets.append(self._pack_offset)
+                    self._new_lengths.append(length)
+                    self._pack_buffer += view[offset - start:offset - start + length]
+                    self._pack_offset += length
+                    self._new_bytes += length
+                    if len(self._pack_buffer) >= PACK_WRITE_BLOCK:
+                        self._flush_pack()
         except StoreFull:
             self.abort()  # at once: the space this writer took is what the next writer needs
             raise
-        self._refs[ref.hash] = ref.length
-        return ref
-
-    def _put_packed(self, ref: ChunkRef, data: bytes) -> ChunkRef:
-        if ref.hash not in self._known:
-            try:
-                with _store_io(self.store.root, f"store chunk {ref.hash} of job {self.job_id}"):
-                    self._pack_entries[ref.hash] = [self._pack_offset, ref.length]
-                    self._pack_buffer += data
-                    self._pack_offset += ref.length
-                    if len(self._pack_buffer) >= PACK_WRITE_BLOCK:
-                        self._flush_pack()
-            except StoreFull:
-                self.abort()
-                raise
-            self._new[ref.hash] = ref.length
-        self._refs[ref.hash] = ref.length
-        return ref
+        self._seen.settle()
 
     def _flush_pack(self) -> None:
         """Write the buffered chunks to the pack (the caller is inside _store_io)."""
@@ -1062,18 +957,49 @@ class CheckpointWriter:
         self._pack_buffer.clear()
 
     def _publish_pack(self) -> None:
-        """Move the pack and its index into packs/ (the index last: a pack without one is ignored)."""
+        """Move the pack and its index into packs/, both durable (the index last: a pack without one
+        is not read)."""
         self._flush_pack()
+        if self._new_lengths:
+            os.fsync(self._pack.fileno())
         self._pack.close()
-        if not self._pack_entries:
+        if not self._new_lengths:
             return
-        packs = self.store.packs_dir(self.job_id)
-        packs.mkdir(exist_ok=True)
-        name = self._tmp.name
+        packs, name = self._dir / "packs", self._tmp.name
+        index = encode_index(np.frombuffer(self._new_digests, DIGEST),
+                             np.frombuffer(self._new_offsets, np.uint64),
+                             np.frombuffer(self._new_lengths, np.uint32))
+        _write_durably(self._tmp / "chunks.idx", index)
         os.replace(self._tmp / "chunks.pack", packs / f"{name}.pack")
-        _write(self._tmp / "chunks.idx", json.dumps(self._pack_entries).encode())
+        self._published.append(packs / f"{name}.pack")
         os.replace(self._tmp / "chunks.idx", packs / f"{name}.idx")
-        self._synced_dirs.add(packs)
+        self._published.append(packs / f"{name}.idx")
+        _fsync_dir(packs)
+
+    def _check_packs_kept(self) -> None:
+        """Every chunk this checkpoint deduplicated against is still in the store: in the pack it
+        was in when the writer began, or, where a collection compacted that pack meanwhile, in another."""
+        gone = []
+        for number in np.flatnonzero(self._used).tolist():
+            path, key = self._index.sources[number]
+            try:
+                if _index_key(path) == key:
+                    continue
+            except FileNotFoundError:
+                pass
+            gone.append(number)
+        if not gone:
+            return
+        now = self.store.pack_index(self.job_id)
+        for entry in self.files:
+            digests = entry.digest_array()
+            at = self._index.find(digests)
+            relied = digests[(at >= 0) & np.isin(self._index.pack[np.maximum(at, 0)], gone)]
+            lost = np.flatnonzero(now.find(relied) < 0)
+            if lost.size:
+                raise CheckpointConflict(
+                    f"chunk {relied[lost[0]].tobytes().hex()} of {entry.path} vanished while job "
+                    f"{self.job_id} was checkpointed (a prune ran meanwhile); checkpoint again")
 
     def commit(self) -> Manifest:
         """Make the checkpoint visible under the next free sequence number, durably."""
@@ -1083,29 +1009,14 @@ class CheckpointWriter:
                                            "add its files before commit")
         try:
             with _store_io(self.store.root, f"commit a checkpoint of job {self.job_id}"):
-                if self._pack is not None:
-                    self._publish_pack()
-                    packed = self.store.pack_index(self.job_id)
-                else:
-                    packed = {}
+                self._publish_pack()
                 fence, mine = self.store.read_fence(self.job_id), self.meta.get("restart")
                 if fence is not None and isinstance(mine, int) and mine < fence.restart:
                     raise CheckpointConflict(
                         f"job {self.job_id} was restarted (restart {fence.restart}) since this checkpoint "
                         f"of restart {mine} began; it is not committed")
-                chunks = self._dir / "chunks"
-                for chunk_hash, length in self._refs.items():
-                    if packed.get(chunk_hash, (None, 0, -1))[2] == length:
-                        continue
-                    path = chunks / chunk_hash[:2] / chunk_hash
-                    if _size(path) != length:
-                        raise CheckpointConflict(
-                            f"chunk {path} vanished while job {self.job_id} was checkpointed (a prune or "
-                            "another writer's abort ran meanwhile); checkpoint again"
-                        )
-                if self._new:
-                    _syncfs(self._dir)  # the new chunks' data and names, in one flush
-                for folder in [*self._synced_dirs, self._dir / "chunks", self._dir, self._dir.parent]:
+                self._check_packs_kept()
+                for folder in (self._dir, self._dir.parent):
                     _fsync_dir(folder)
                 manifest = self._link_manifest()
         finally:
@@ -1122,14 +1033,16 @@ class CheckpointWriter:
             manifest = Manifest(
                 job_id=self.job_id, seq=seq, created_at=created_at, reason=self.reason, meta=self.meta,
                 files=tuple(self.files), logical_bytes=sum(f.size for f in self.files),
-                new_bytes=sum(self._new.values()),
+                new_bytes=self._new_bytes,
             )
-            tmp = self._tmp / f"manifest-{seq:08d}.json"
-            _write_durably(tmp, manifest.to_json().encode())
+            tmp = self._tmp / f"manifest-{seq:08d}.mf"
+            _write_durably(tmp, manifest.to_bytes())
             try:
                 # link, unlike rename, fails if the name exists: a concurrent writer that took this
                 # sequence number keeps its manifest, and we take the next one.
-                os.link(tmp, folder / f"{seq:08d}.json")
+                if (folder / f"{seq:08d}.json").exists():
+                    raise FileExistsError
+                os.link(tmp, folder / f"{seq:08d}.mf")
             except FileExistsError:
                 tmp.unlink()
                 seq += 1
@@ -1144,22 +1057,12 @@ class CheckpointWriter:
         if self._state != "open":
             return
         self._state = "aborted"
-        if self._pack is not None:
-            try:
-                self._pack.close()
-            except OSError:
-                pass
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        if not self._new or self.store._active_writers(self.job_id, DEFAULT_TMP_GRACE_S):
-            return  # another writer may have deduplicated against our chunks; GC takes them later
         try:
-            referenced, _, newer = self.store._referenced(self.job_id)
-        except CheckpointError:
-            return  # best effort: GC removes leftovers
-        if newer:
-            return
-        for chunk_hash in self._new.keys() - referenced:
-            try:
-                self.store.chunk_path(self.job_id, chunk_hash).unlink()
-            except OSError:
-                continue
+            self._pack.close()
+        except OSError:
+            pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        # A pack published by a commit that then failed: no checkpoint uses it. A writer that began
+        # since and deduplicated against it finds it gone at its own commit and fails there.
+        for path in self._published:
+            path.unlink(missing_ok=True)

@@ -58,7 +58,7 @@ scattered over its heap (reference counts, GC headers), so a 16 KiB chunk would 
 
 
 def job_store(root: Path) -> CheckpointStore:
-    return CheckpointStore(root, max_chunk=PAGE_CHUNK, pack_chunks=True)
+    return CheckpointStore(root, max_chunk=PAGE_CHUNK)
 
 
 def _shell_status(code: int) -> int:
@@ -439,8 +439,9 @@ class CheckpointEngine:
                 manifest = self._generation(job_id, generation, run)
             else:
                 try:
+                    # Verified as it is written out (images.download): read once, not twice.
                     manifest, corrupt = self.store.latest_valid(
-                        job_id, where=lambda m: self.mine(run)(m) and m.seq not in tried)
+                        job_id, where=lambda m: self.mine(run)(m) and m.seq not in tried, verify=False)
                 except NoCheckpoint as exc:
                     if not refused:
                         raise RequestError(f"no committed checkpoint of job {job_id}: {exc}") from exc
@@ -453,11 +454,12 @@ class CheckpointEngine:
                 _check_taken_for(manifest, uid)
                 pid, notices = self._restore_one(job_id, manifest, creds, cgroups or [])
                 break
-            except (RestoreRefused, RestoreFailed, faults.InjectedFault) as exc:
+            except (RestoreRefused, RestoreFailed, faults.InjectedFault, CorruptCheckpoint) as exc:
+                why = exc.detail if isinstance(exc, CorruptCheckpoint) else str(exc)
                 if generation is not None:
                     raise RequestError(f"checkpoint {manifest.seq} of tree {self.rank} refused: "
-                                       f"{exc}") from exc
-                refused.append(store_refusal(manifest.seq, str(exc)))
+                                       f"{why}") from exc
+                refused.append(store_refusal(manifest.seq, why))
         summary = summarize(manifest, time.monotonic() - started)
         refusals = [{"seq": r.seq, "reason": r.reason} for r in refused]
         self._index(lambda registry: registry.record_restore(job_id, self.node, manifest.seq,
@@ -605,7 +607,7 @@ class CheckpointEngine:
         else are never restored as the job's user.
         """
         job_dir = self.store.job_dir(job_id)
-        for path in (job_dir, job_dir / "manifests", job_dir / "chunks"):
+        for path in (job_dir, job_dir / "manifests", job_dir / "packs"):
             try:
                 info = path.stat()
             except FileNotFoundError:
@@ -616,14 +618,9 @@ class CheckpointEngine:
                                    "checkpoints the agents wrote are restored")
 
     def _generation(self, job_id: int, generation: str, run: str | None = None) -> Manifest:
-        """This node's checkpoint of one multi-node checkpoint, verified."""
+        """This node's checkpoint of one multi-node checkpoint (verified as it is written out)."""
         for manifest in reversed(self.store.list(job_id)):
             if manifest.meta.get("generation") == generation and self.mine(run)(manifest):
-                try:
-                    self.store.verify(manifest)
-                except CorruptCheckpoint as exc:
-                    raise RequestError(f"checkpoint {manifest.seq} of tree {self.rank} refused: "
-                                       f"{exc.detail}") from exc
                 return manifest
         raise RequestError(f"tree {self.rank} (a rank, or a node of the job) has no checkpoint of "
                            f"generation {generation}")

@@ -232,11 +232,13 @@ def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_is_used(jobs, refe
     data = bytearray(chunk.read_bytes())
     data[offset + length // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    # and a newer manifest that is valid JSON of the wrong shape, with lengths no chunk has
-    bogus = store.manifest_path(job_id, second["seq"] + 1)
-    doc = json.loads(store.manifest_path(job_id, second["seq"]).read_text())
-    doc.update(seq=second["seq"] + 1, files=[{"path": "images/x", "mode": 420, "size": -1,
-                                              "chunks": [["0" * 32, 1 << 62]]}])
+    # and a newer manifest in the previous version's JSON format, of the wrong shape, with lengths
+    # no chunk has
+    bogus = store.manifest_path(job_id, second["seq"] + 1).with_suffix(".json")
+    kept = store.read(job_id, second["seq"])
+    doc = {"format": 1, "job_id": kept.job_id, "seq": second["seq"] + 1, "created_at": kept.created_at,
+           "reason": kept.reason, "meta": kept.meta, "logical_bytes": 0, "new_bytes": 0,
+           "files": [{"path": "images/x", "mode": 420, "size": -1, "chunks": [["0" * 32, 1 << 62]]}]}
     bogus.write_text(json.dumps(doc))
 
     pids = subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"],
@@ -361,7 +363,7 @@ def test_a_reused_job_id_starts_afresh_and_an_ended_job_leaves_nothing_in_the_st
     root = config.paths.store_root
     planted = []
     for part in (root, root / "ranks" / "1"):
-        store = CheckpointStore(part, max_chunk=4096, pack_chunks=True)
+        store = CheckpointStore(part, max_chunk=4096)
         with store.begin(job_id, reason="periodic", meta={"uid": pwd.getpwnam(other_user).pw_uid}) as writer:
             writer.add_bytes("images/core-1.img", b"the earlier job's process")
             planted.append(writer.commit())

@@ -1,15 +1,18 @@
-"""Pack mode of the checkpoint store: a writer's new chunks go into one pack file with an index."""
+"""Packs of the checkpoint store: a writer's new chunks go into one pack file with an index."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from singularity_slurm.checkpoint.store import CheckpointStore
+from singularity_slurm.checkpoint.packs import ENTRY, INDEX_MAGIC
+from singularity_slurm.checkpoint.store import CheckpointStore, read_pack_index
 from singularity_slurm.errors import CorruptCheckpoint, StoreFull
 
 PAGE = 4096
@@ -21,7 +24,7 @@ def pages(count: int, seed: int) -> bytearray:
 
 @pytest.fixture
 def store(tmp_path: Path) -> CheckpointStore:
-    return CheckpointStore(tmp_path / "store", max_chunk=PAGE, pack_chunks=True)
+    return CheckpointStore(tmp_path / "store", max_chunk=PAGE)
 
 
 def commit(store: CheckpointStore, files: dict[str, bytes]):
@@ -37,7 +40,8 @@ def test_a_checkpoint_is_one_pack_and_one_index_and_restores_byte_identical(stor
 
     packs = sorted(p.name.rsplit(".", 1)[1] for p in store.packs_dir(7).iterdir())
     assert packs == ["idx", "pack"]
-    assert list((store.job_dir(7) / "chunks").iterdir()) == []
+    assert not (store.job_dir(7) / "chunks").exists()  # no chunk is a file of its own
+    assert [p.suffix for p in (store.job_dir(7) / "manifests").iterdir()] == [".mf"]
     assert manifest.new_bytes == len(memory) + 4
     store.restore(manifest, tmp_path / "out")
     assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
@@ -116,16 +120,14 @@ def test_prune_drops_packs_no_kept_checkpoint_uses(store):
     store.verify(third)
 
 
-def test_a_full_store_in_pack_mode_keeps_the_previous_checkpoint(tmp_path):
-    import os
-
+def test_a_full_store_keeps_the_previous_checkpoint(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     root = tmp_path / "small"
     root.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
     try:
-        store = CheckpointStore(root, max_chunk=PAGE, pack_chunks=True)
+        store = CheckpointStore(root, max_chunk=PAGE)
         first = commit(store, {"images/pages-1.img": pages(16, 8)})
         with pytest.raises(StoreFull, match="is full"):
             commit(store, {"images/pages-1.img": pages(400, 9)})
@@ -140,33 +142,60 @@ def newest_index(store: CheckpointStore) -> Path:
     return max(store.packs_dir(7).glob("*.idx"), key=lambda p: p.stat().st_mtime_ns)
 
 
-def spoil_index(text: str, how: str) -> str:
+def as_json_index(index: Path) -> str:
+    """The index as format 1 wrote it: a JSON object of hex digest -> [offset, length]."""
+    entries = read_pack_index(index, index.with_suffix(".pack").stat().st_size)
+    return json.dumps({e["digest"].tobytes().hex(): [int(e["offset"]), int(e["length"])] for e in entries})
+
+
+def spoil_index(index: Path, how: str) -> None:
+    data = index.read_bytes()
+    if how == "cut mid-entry":
+        index.write_bytes(data[:-5])
+        return
+    if how.startswith("binary "):
+        entries = np.frombuffer(data[len(INDEX_MAGIC):], ENTRY).copy()
+        if how == "binary zero length":
+            entries[0]["length"] = 0
+        elif how == "binary huge length":
+            entries[0]["length"] = (1 << 32) - 1
+        elif how == "binary beyond the pack":
+            entries[0]["offset"] = 1 << 40
+        index.write_bytes(INDEX_MAGIC + entries.tobytes())
+        return
+    text = as_json_index(index)
     doc = json.loads(text)
     first = next(iter(doc))
     if how == "a list":
-        return json.dumps(list(doc.items()))
-    if how == "truncated":
-        return text[: len(text) // 2]
-    if how == "bad hash":
-        doc["not-a-hash"] = doc.pop(first)
-    elif how == "bad entry":
-        doc[first] = {"offset": 0}
-    elif how == "negative offset":
-        doc[first] = [-4096, doc[first][1]]
-    elif how == "huge length":
-        doc[first] = [0, 1 << 62]
-    elif how == "beyond the pack":
-        doc[first] = [1 << 40, 4096]
-    return json.dumps(doc)
+        text = json.dumps(list(doc.items()))
+    elif how == "truncated":
+        text = text[: len(text) // 2]
+    else:
+        if how == "bad hash":
+            doc["not-a-hash"] = doc.pop(first)
+        elif how == "bad entry":
+            doc[first] = {"offset": 0}
+        elif how == "negative offset":
+            doc[first] = [-4096, doc[first][1]]
+        elif how == "huge length":
+            doc[first] = [0, 1 << 62]
+        elif how == "beyond the pack":
+            doc[first] = [1 << 40, 4096]
+        text = json.dumps(doc)
+    index.write_text(text)
 
 
 BAD_INDEXES = {
-    "truncated": "is not valid JSON",
+    "cut mid-entry": "not a whole number of 28-byte entries; it was truncated",
+    "binary zero length": "the length 0, outside 1..",
+    "binary huge length": "the length 4294967295, outside 1..",
+    "binary beyond the pack": "beyond the end of its pack",
+    "truncated": "is neither a format 2 index nor valid JSON",
     "a list": "holds a JSON list, not an object",
     "bad hash": "has the entry 'not-a-hash'",
     "bad entry": "not 32 hex digits -> [offset, length]",
-    "negative offset": "the offset of chunk",
-    "huge length": "the length of chunk",
+    "negative offset": "the offset -4096, not an integer",
+    "huge length": "the length 4611686018427387904, not an integer",
     "beyond the pack": "beyond the end of its pack",
 }
 
@@ -176,7 +205,7 @@ def test_a_damaged_pack_index_is_skipped_naming_it_by_restore_and_prune(store, t
     first = commit(store, {"images/pages-1.img": pages(8, 8)})
     second = commit(store, {"images/pages-1.img": pages(8, 9)})
     index = newest_index(store)
-    index.write_text(spoil_index(index.read_text(), how))
+    spoil_index(index, how)
 
     manifest, refused = store.latest_valid(7)
 
@@ -201,3 +230,131 @@ def test_a_pack_index_without_its_pack_is_skipped(store):
 
     assert (manifest, [r.seq for r in refused]) == (first, [second.seq])
     assert f"has no pack {index.with_suffix('.pack').name} beside it" in refused[0].reason
+
+
+def test_a_pack_with_a_format_1_json_index_still_restores(store, tmp_path):
+    memory = pages(8, 12)
+    manifest = commit(store, {"images/pages-1.img": memory})
+    index = newest_index(store)
+    index.write_text(as_json_index(index))  # as the previous version published it
+    store = CheckpointStore(store.root, max_chunk=PAGE)
+
+    store.restore(manifest, tmp_path / "out")
+
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
+
+
+def test_an_index_is_read_again_only_when_indexes_come_or_go(store, monkeypatch):
+    import singularity_slurm.checkpoint.store as store_module
+
+    commit(store, {"images/pages-1.img": pages(8, 13)})
+    reads = []
+    real = store_module.read_pack_index
+    monkeypatch.setattr(store_module, "read_pack_index", lambda *a: reads.append(a[0]) or real(*a))
+    first = newest_index(store)
+    store.pack_index(7)
+    store.pack_index(7)
+    assert reads == [first]
+    commit(store, {"images/pages-1.img": pages(8, 14)})
+    store.pack_index(7)
+    assert reads == [first, newest_index(store)]  # the new pack's index only
+
+
+def test_a_pack_whose_index_was_never_published_goes_after_the_grace_time(tmp_path):
+    clock = [1000.0]
+    store = CheckpointStore(tmp_path / "store", max_chunk=PAGE, clock=lambda: clock[0])
+    kept = commit(store, {"images/pages-1.img": pages(8, 15)})
+    orphan = store.packs_dir(7) / "crashed-writer.pack"
+    orphan.write_bytes(b"x" * PAGE)
+
+    assert store.collect_garbage(7, tmp_grace_s=60).chunk_bytes_deleted == 0
+    assert orphan.exists()
+    clock[0] = orphan.stat().st_mtime + 61
+    assert store.collect_garbage(7, tmp_grace_s=60).chunk_bytes_deleted == PAGE
+    assert not orphan.exists()
+    store.verify(kept)
+
+
+def test_collection_compacts_mostly_dead_packs_and_every_kept_checkpoint_still_restores(store, tmp_path):
+    memory = pages(64, 16)
+    commit(store, {"images/pages-1.img": memory})
+    compacted = 0
+    for round_ in range(6):  # each checkpoint rewrites 16 pages: the first pack dies page by page
+        for page in range(16 * round_ % 64, 16 * round_ % 64 + 16):
+            memory[page * PAGE:(page + 1) * PAGE] = pages(1, 100 + 64 * round_ + page)
+        newest = commit(store, {"images/pages-1.img": memory})
+        compacted += store.prune(7, keep=2).packs_compacted
+    live = {chunk.hash for m in store.list(7) for f in m.files for chunk in f.chunks}
+
+    assert compacted >= 1
+    assert store.job_usage(7) == len(live) * PAGE  # only live chunks are left, each once
+    for manifest in store.list(7):
+        out = tmp_path / f"out-{manifest.seq}"
+        store.restore(manifest, out)
+    assert (tmp_path / f"out-{newest.seq}/images/pages-1.img").read_bytes() == bytes(memory)
+
+
+def test_a_corrupt_chunk_keeps_its_pack_out_of_compaction(store):
+    memory = pages(8, 17)
+    first = commit(store, {"images/pages-1.img": memory})
+    memory[: 6 * PAGE] = pages(6, 18)
+    commit(store, {"images/pages-1.img": memory})
+    victim = first.files[0].chunks[7].hash  # still live in the second checkpoint
+    pack, offset, _ = store.locate(7, victim)
+    data = bytearray(pack.read_bytes())
+    data[offset] ^= 0x01
+    pack.write_bytes(bytes(data))
+
+    result = store.prune(7, keep=1)
+
+    assert result.packs_compacted == 0
+    assert [s.what for s in result.skipped] == [f"pack {pack}"]
+    assert "does not match its hash" in result.skipped[0].reason
+    assert pack.exists()
+
+
+def test_a_writer_that_deduplicated_against_a_pack_compacted_meanwhile_commits(store, tmp_path):
+    memory = pages(16, 19)
+    commit(store, {"images/pages-1.img": memory})
+    memory[: 12 * PAGE] = pages(12, 20)
+    commit(store, {"images/pages-1.img": memory})
+    with store.begin(7, reason="periodic") as writer:
+        writer.add_bytes("images/pages-1.img", bytes(memory))  # its last 4 pages are in the first pack
+        # a collection by another agent that did not see this writer, between its begin and its commit
+        writer._tmp.rename(tmp_path / "hidden")
+        assert CheckpointStore(store.root, max_chunk=PAGE).drop(7, [1]).packs_compacted == 1
+        (tmp_path / "hidden").rename(writer._tmp)
+        manifest = writer.commit()
+
+    store.restore(manifest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
+
+
+def test_a_restore_whose_pack_is_compacted_under_it_reads_the_new_pack(store, tmp_path, monkeypatch):
+    memory = pages(16, 21)
+    commit(store, {"images/pages-1.img": memory})
+    memory[: 12 * PAGE] = pages(12, 22)
+    second = commit(store, {"images/pages-1.img": memory})
+    stale = store.pack_index(7)
+    store.drop(7, [1])  # compacts the first pack into a new one
+    monkeypatch.setattr(store, "pack_index", lambda job, real=store.pack_index: (
+        monkeypatch.setattr(store, "pack_index", real) or stale))
+
+    store.restore(second, tmp_path / "out")
+
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
+
+
+def test_a_pack_cut_short_while_a_restore_reads_it_names_the_chunk_it_cut(store, tmp_path, monkeypatch):
+    manifest = commit(store, {"images/pages-1.img": pages(8, 23)})
+    stale = store.pack_index(7)  # read before the damage, as by a restore already under way
+    pack, offset, _ = store.locate(7, manifest.files[0].chunks[5].hash)
+    os.truncate(pack, offset + 100)
+    monkeypatch.setattr(store, "pack_index", lambda job: stale)
+
+    with pytest.raises(CorruptCheckpoint) as info:
+        store.restore(manifest, tmp_path / "out")
+
+    cut = manifest.files[0].chunks[5].hash
+    assert (f"chunk 5 ({cut}, bytes {5 * PAGE}..{6 * PAGE}) of images/pages-1.img is corrupt: it has 100 "
+            f"bytes in {pack.name} instead of {PAGE}") in str(info.value)

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import random
 import stat
+import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import xxhash
 
+from singularity_slurm.checkpoint.packs import INDEX_MAGIC, read_pack_index
 from singularity_slurm.checkpoint.store import (
     DEFAULT_MAX_CHUNK,
     CheckpointStore,
+    ChunkRef,
     Fence,
     FileEntry,
     Manifest,
@@ -33,6 +37,7 @@ from singularity_slurm.errors import (
     CheckpointError,
     CorruptCheckpoint,
     InvalidCheckpointRequest,
+    NewerCheckpointFormat,
     NoCheckpoint,
     StoreFull,
 )
@@ -69,7 +74,24 @@ def hashes(manifest: Manifest, path: str) -> list[str]:
 
 
 def chunks_on_disk(store: CheckpointStore, job: int = JOB) -> set[str]:
-    return {path.name for path in (store.job_dir(job) / "chunks").glob("*/*")}
+    """The chunks the job's pack indexes hold."""
+    return {digest.tobytes().hex() for digest in store.pack_index(job).digests}
+
+
+def packs_on_disk(store: CheckpointStore, job: int = JOB) -> list[str]:
+    """The names of the files in the job's packs folder."""
+    folder = store.packs_dir(job)
+    return sorted(os.listdir(folder)) if folder.is_dir() else []
+
+
+def remove_pack_of(store: CheckpointStore, chunk_hash: str, job: int = JOB) -> Path:
+    """Delete the pack holding a chunk and its index, as a concurrent prune could; the pack's path."""
+    located = store.locate(job, chunk_hash)
+    assert located is not None, f"chunk {chunk_hash} is in no pack"
+    pack = located[0]
+    pack.unlink()
+    pack.with_suffix(".idx").unlink()
+    return pack
 
 
 def tmp_entries(store: CheckpointStore, job: int = JOB) -> list[str]:
@@ -78,6 +100,30 @@ def tmp_entries(store: CheckpointStore, job: int = JOB) -> list[str]:
 
 def files_under(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def format1_json(manifest: Manifest, **changes: object) -> str:
+    """The manifest as the previous version wrote it: one JSON document, format 1, hex digests."""
+    doc = {
+        "format": 1, "job_id": manifest.job_id, "seq": manifest.seq, "created_at": manifest.created_at,
+        "reason": manifest.reason, "meta": manifest.meta, "logical_bytes": manifest.logical_bytes,
+        "new_bytes": manifest.new_bytes,
+        "files": [{"path": f.path, "mode": f.mode, "size": f.size,
+                   "chunks": [[c.hash, c.length] for c in f.chunks]} for f in manifest.files],
+    }
+    doc.update(changes)
+    return json.dumps(doc) + "\n"
+
+
+def as_format1(store: CheckpointStore, seq: int, text: str | bytes) -> Path:
+    """Replace checkpoint `seq`'s manifest with a format 1 one (`<seq>.json`) holding `text`."""
+    binary = store.manifest_path(JOB, seq)
+    assert binary.name == f"{seq:08d}.mf"
+    binary.unlink()
+    path = binary.with_suffix(".json")
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    assert store.manifest_path(JOB, seq) == path
+    return path
 
 
 @pytest.fixture
@@ -127,7 +173,7 @@ def test_manifest_records_the_files_their_chunks_and_the_callers_context(tmp_pat
         writer.add_bytes("img/core-1.img", b"core")
         manifest = writer.commit()
 
-    assert (manifest.job_id, manifest.seq, manifest.version) == ("42", 1, 1)
+    assert (manifest.job_id, manifest.seq, manifest.version) == ("42", 1, 2)
     assert (manifest.created_at, manifest.reason) == (1_700_000_000.25, "preemption")
     assert manifest.meta == {"step": 120, "nodes": ["n1", "n2"]}
     assert [(f.path, f.mode, f.size) for f in manifest.files] == [
@@ -137,14 +183,21 @@ def test_manifest_records_the_files_their_chunks_and_the_callers_context(tmp_pat
     assert hashes(manifest, "img/core-1.img") == [xxhash.xxh3_128_hexdigest(b"core")]
     assert manifest.logical_bytes == manifest.new_bytes == CHUNK * 2 + 14
     assert manifest.dedup_ratio == 1.0
+    assert store.manifest_path(42, 1) == store.job_dir(42) / "manifests" / "00000001.mf"
     assert store.manifest_path(42, 1).is_file()
 
 
-def test_manifest_json_round_trips(store: CheckpointStore) -> None:
+def test_manifest_round_trips(store: CheckpointStore) -> None:
     manifest = commit(store, {"a": noise(CHUNK + 1, 1), "b/c": b""})
 
-    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.to_bytes().startswith(b"singularity-manifest 2\n")
+    assert Manifest.from_bytes(manifest.to_bytes()) == manifest
     assert store.read(JOB, 1) == manifest
+    # A format 1 (JSON) manifest of the same checkpoint reads as the same one, of version 1.
+    old = Manifest.from_bytes(format1_json(manifest).encode())
+    assert old == dataclasses.replace(manifest, version=1)
+    assert old.files[0].chunks == (ChunkRef(hashes_of(noise(CHUNK + 1, 1)[:CHUNK]), CHUNK),
+                                   ChunkRef(hashes_of(noise(CHUNK + 1, 1)[CHUNK:]), 1))
 
 
 def test_caller_meta_is_copied_when_the_writer_begins(store: CheckpointStore) -> None:
@@ -274,47 +327,49 @@ def test_without_boundaries_an_insertion_shifts_every_later_chunk(tmp_path: Path
 # --- abort ----------------------------------------------------------------------------------------
 
 
-def assert_only_first_checkpoint(store: CheckpointStore, first: Manifest, chunks_before: set[str]) -> None:
+def assert_only_first_checkpoint(store: CheckpointStore, first: Manifest, chunks_before: set[str],
+                                 packs_before: list[str]) -> None:
     assert store.seqs(JOB) == [1]
     assert chunks_on_disk(store) == chunks_before
+    assert packs_on_disk(store) == packs_before  # nothing the writer stored was published
     assert tmp_entries(store) == []
     assert store.latest_valid(JOB) == (first, [])
 
 
 def test_abort_keeps_the_previous_checkpoint_and_commits_nothing(store: CheckpointStore) -> None:
     first = commit(store, {"img/pages-1.img": noise(CHUNK * 2, 1)})
-    chunks_before = chunks_on_disk(store)
+    chunks_before, packs_before = chunks_on_disk(store), packs_on_disk(store)
 
     writer = store.begin(JOB, reason="preemption")
     writer.add_bytes("img/pages-1.img", noise(CHUNK * 3, 2))
     writer.abort()
     writer.abort()  # idempotent
 
-    assert_only_first_checkpoint(store, first, chunks_before)
+    assert_only_first_checkpoint(store, first, chunks_before, packs_before)
     with pytest.raises(CheckpointError, match="already aborted; begin a new one"):
         writer.add_bytes("img/other.img", b"x")
 
 
 def test_an_exception_inside_the_with_block_aborts(store: CheckpointStore) -> None:
     first = commit(store, {"img/pages-1.img": noise(CHUNK * 2, 1)})
-    chunks_before = chunks_on_disk(store)
+    chunks_before, packs_before = chunks_on_disk(store), packs_on_disk(store)
 
     with pytest.raises(RuntimeError, match="criu dump failed"):
         with store.begin(JOB, reason="preemption") as writer:
             writer.add_bytes("img/pages-1.img", noise(CHUNK * 3, 2))
             raise RuntimeError("criu dump failed")
 
-    assert_only_first_checkpoint(store, first, chunks_before)
+    assert_only_first_checkpoint(store, first, chunks_before, packs_before)
 
 
 def test_leaving_the_with_block_without_commit_commits_nothing(store: CheckpointStore) -> None:
     first = commit(store, {"a": b"one"})
-    chunks_before = chunks_on_disk(store)
+    chunks_before, packs_before = chunks_on_disk(store), packs_on_disk(store)
 
     with store.begin(JOB, reason="periodic") as writer:
         writer.add_bytes("a", b"two")
 
-    assert_only_first_checkpoint(store, first, chunks_before)
+    assert_only_first_checkpoint(store, first, chunks_before, packs_before)
 
 
 def test_abort_keeps_new_chunks_that_another_writer_committed_meanwhile(store: CheckpointStore) -> None:
@@ -322,12 +377,13 @@ def test_abort_keeps_new_chunks_that_another_writer_committed_meanwhile(store: C
     slow = store.begin(JOB, reason="periodic")
     slow.add_bytes("a", shared + noise(10, 2))
     fast = store.begin(JOB, reason="preemption")
-    fast.add_bytes("a", shared)  # found in the store, written there by the slow writer
+    fast.add_bytes("a", shared)  # the slow writer's pack is not published: the fast one stores it too
     committed = fast.commit()
 
     slow.abort()
 
     assert store.latest_valid(JOB) == (committed, [])
+    assert chunks_on_disk(store) == {hashes_of(shared)}
 
 
 # --- concurrency ----------------------------------------------------------------------------------
@@ -359,64 +415,95 @@ def test_concurrent_writers_get_distinct_sequence_numbers(store: CheckpointStore
 
 
 def test_commit_refuses_when_a_chunk_vanished_under_the_writer(store: CheckpointStore) -> None:
+    commit(store, {"a": noise(CHUNK, 1)})
     writer = store.begin(JOB, reason="periodic")
-    writer.add_bytes("a", noise(CHUNK, 1))
-    store.chunk_path(JOB, hashes_of(noise(CHUNK, 1))).unlink()  # as a concurrent prune could
+    writer.add_bytes("a", noise(CHUNK, 1))  # deduplicated against the first checkpoint's pack
+    writer.add_bytes("b", noise(CHUNK, 2))  # new: goes to the writer's own pack
+    remove_pack_of(store, hashes_of(noise(CHUNK, 1)))  # as a concurrent prune could
 
-    with pytest.raises(CheckpointConflict, match="vanished while job 42 was checkpointed.*checkpoint again"):
+    with pytest.raises(CheckpointConflict, match=f"chunk {hashes_of(noise(CHUNK, 1))} of a vanished while "
+                                                 "job 42 was checkpointed.*checkpoint again"):
         writer.commit()
 
-    assert store.seqs(JOB) == []
+    assert store.seqs(JOB) == [1]
+    assert packs_on_disk(store) == []  # the writer's pack was not left behind
     assert tmp_entries(store) == []
 
 
 def test_prune_leaves_chunks_alone_while_a_writer_is_active(store: CheckpointStore) -> None:
-    first = commit(store, {"a": noise(CHUNK, 1), "b": noise(CHUNK, 5)})
+    # A pack goes only whole: the chunk the writer relies on and the one that becomes garbage are
+    # stored by separate checkpoints, so each has a pack of its own.
+    first = commit(store, {"a": noise(CHUNK, 1)})
+    commit(store, {"b": noise(CHUNK, 5)})
     commit(store, {"a": noise(CHUNK, 2)})
     writer = store.begin(JOB, reason="periodic")
-    writer.add_bytes("a", noise(CHUNK, 1))  # deduplicated against the checkpoint being pruned
+    writer.add_bytes("a", noise(CHUNK, 1))  # deduplicated against a checkpoint being pruned
+    chunks_before = chunks_on_disk(store)
 
     deferred = store.prune(JOB, keep=1)
-    third = writer.commit()
+    chunks_meanwhile = chunks_on_disk(store)
+    fourth = writer.commit()
     collected = store.collect_garbage(JOB)
 
-    assert deferred == PruneResult((1,), 0, 0, 0, 0, chunk_gc_deferred=True)
-    assert hashes(third, "a") == hashes(first, "a")
-    store.verify(third)
+    assert deferred == PruneResult((1, 2), 0, 0, 0, 0, chunk_gc_deferred=True)
+    assert chunks_meanwhile == chunks_before
+    assert hashes(fourth, "a") == hashes(first, "a")
+    store.verify(fourth)
     assert collected == PruneResult((), chunks_deleted=1, chunk_bytes_deleted=CHUNK, tmp_entries_deleted=0,
                                     tmp_bytes_deleted=0)
-    assert hashes_of(noise(CHUNK, 5)) not in chunks_on_disk(store)
+    assert chunks_on_disk(store) == {hashes_of(noise(CHUNK, 1)), hashes_of(noise(CHUNK, 2))}
 
 
 # --- corruption -----------------------------------------------------------------------------------
 
 
-def damage(path: Path, how: str) -> None:
-    data = bytearray(path.read_bytes())
+def damage(store: CheckpointStore, chunk_hash: str, how: str) -> str:
+    """Damage a chunk where it lies in its pack; what a refusal of it says (see PROBLEMS)."""
+    located = store.locate(JOB, chunk_hash)
+    assert located is not None, f"chunk {chunk_hash} is in no pack"
+    pack, offset, length = located
     if how == "flipped":
-        data[len(data) // 2] ^= 0x01
-        path.write_bytes(data)
-    elif how == "truncated":
-        path.write_bytes(data[:-1])
-    else:
-        path.unlink()
+        with open(pack, "r+b") as out:
+            out.seek(offset + length // 2)
+            byte = out.read(1)[0]
+            out.seek(offset + length // 2)
+            out.write(bytes([byte ^ 0x01]))
+    elif how == "truncated":  # the chunk is cut one byte short
+        os.truncate(pack, offset + length - 1)
+    elif how == "missing":  # its pack's index no longer lists it
+        index = pack.with_suffix(".idx")
+        assert index.read_bytes().startswith(INDEX_MAGIC)
+        entries = read_pack_index(index, pack.stat().st_size)
+        kept = [entry.tobytes() for entry in entries if entry["digest"].tobytes().hex() != chunk_hash]
+        assert len(kept) == len(entries) - 1
+        index.write_bytes(INDEX_MAGIC + b"".join(kept))
+    else:  # "pack gone": the pack and its index, as a prune removes them
+        remove_pack_of(store, chunk_hash)
+    return PROBLEMS[how].format(pack=pack.name, packs=store.packs_dir(JOB), index=pack.with_suffix(".idx"),
+                                chunk=chunk_hash)
 
 
 PROBLEMS = {
-    "flipped": "is corrupt: its content no longer matches its hash",
-    "truncated": f"is corrupt: it has {CHUNK - 1} bytes instead of {CHUNK}",
-    "missing": "is missing from",
+    "flipped": "is corrupt: its content in {pack} no longer matches its hash",
+    # A pack cut short no longer holds what its index says: the index is skipped, naming why.
+    "truncated": "is missing from {packs} (pack index {index} was skipped: it puts chunk {chunk} at bytes ",
+    "missing": "is missing from {packs}",
+    "pack gone": "is missing from {packs}",
 }
+"""How a damaged chunk is described; the pack's name goes in for {pack}, the packs folder for {packs},
+its index for {index}, the chunk's hash for {chunk}."""
 
 
-@pytest.mark.parametrize("how", PROBLEMS)
+# "pack gone" and "truncated" are left out: that pack holds img/core-1.img too, which is then the first
+# chunk missing (a pack cut short while a restore reads it: test_checkpoint_packs).
+@pytest.mark.parametrize("how", ["flipped", "missing"])
 def test_a_damaged_chunk_is_refused_by_verify_and_restore_naming_the_file(store: CheckpointStore,
                                                                           tmp_path: Path, how: str) -> None:
     manifest = commit(store, {"img/core-1.img": b"core", "img/pages-1.img": noise(CHUNK * 3, 1)})
     bad = hashes(manifest, "img/pages-1.img")[1]
-    damage(store.chunk_path(JOB, bad), how)
+    problem = damage(store, bad, how)
     expected = (f"checkpoint 1 of job 42 is unusable: chunk 1 ({bad}, bytes {CHUNK}..{2 * CHUNK}) of "
-                f"img/pages-1.img {PROBLEMS[how]}")
+                f"img/pages-1.img {problem}")
 
     with pytest.raises(CorruptCheckpoint) as verified:
         store.verify(manifest)
@@ -438,19 +525,19 @@ def test_latest_valid_falls_back_to_the_previous_checkpoint_and_reports_why(stor
     changed = pages[:CHUNK * 2] + noise(CHUNK, 2)
     second = commit(store, {"img/pages-1.img": changed})
     bad = hashes(second, "img/pages-1.img")[2]
-    damage(store.chunk_path(JOB, bad), how)
+    problem = damage(store, bad, how)  # the second checkpoint's pack holds this chunk only
 
     manifest, refused = store.latest_valid(JOB)
 
     assert manifest == first
     assert [seq for seq, _ in refused] == [2]
     assert refused[0].reason.startswith(f"chunk 2 ({bad}, bytes {2 * CHUNK}..{3 * CHUNK}) of img/pages-1.img "
-                                        f"{PROBLEMS[how]}")
+                                        f"{problem}")
 
 
 def test_no_checkpoint_verifies_then_no_checkpoint_lists_every_refusal(store: CheckpointStore) -> None:
     manifest = commit(store, {"a": noise(CHUNK, 1)})
-    damage(store.chunk_path(JOB, hashes(manifest, "a")[0]), "flipped")
+    damage(store, hashes(manifest, "a")[0], "flipped")
 
     with pytest.raises(NoCheckpoint, match=r"no checkpoint that verifies .*checkpoint 1: chunk 0 .* of a is "
                                            r"corrupt.*start it from the beginning"):
@@ -510,25 +597,198 @@ BAD_MANIFESTS = {
     "not a pair": (lambda text: chunk_entry(text, ["a" * 32, 3, 0]), "is malformed: chunk ["),
     "files not a list": (lambda text: rewrite(text, files={"a": 1}), "is malformed: files must be an array"),
 }
+"""Format 1 (JSON) manifests the store must refuse: how to spoil one, and what the refusal says."""
 
 
-@pytest.mark.parametrize("kind", BAD_MANIFESTS)
-def test_an_unreadable_manifest_is_refused_clearly(store: CheckpointStore, kind: str) -> None:
-    first = commit(store, {"a": b"one"})
-    commit(store, {"a": b"two"})
-    path = store.manifest_path(JOB, 2)
-    spoil, message = BAD_MANIFESTS[kind]
-    path.write_text(spoil(path.read_text()))
-
+def assert_refused_clearly(store: CheckpointStore, first: Manifest, path: Path, message: str) -> None:
+    """Checkpoint 2, whose manifest is `path`, is refused saying `message`; checkpoint 1 is used."""
     with pytest.raises(CorruptCheckpoint, match="unusable") as info:
         store.read(JOB, 2)
     manifest, refused = store.latest_valid(JOB)
 
     assert str(info.value).startswith(f"checkpoint 2 of job 42 is unusable: manifest {path} {message}")
+    assert (info.value.job_id, info.value.seq, info.value.path) == ("42", 2, str(path))
     assert manifest == first
     assert refused == [Refusal(2, info.value.detail)]
     with pytest.raises(CorruptCheckpoint):
         store.latest(JOB)
+
+
+@pytest.mark.parametrize("kind", BAD_MANIFESTS)
+def test_an_unreadable_manifest_is_refused_clearly(store: CheckpointStore, kind: str) -> None:
+    first = commit(store, {"a": b"one"})
+    second = commit(store, {"a": b"two"})
+    spoil, message = BAD_MANIFESTS[kind]
+    path = as_format1(store, 2, spoil(format1_json(second)))
+
+    assert_refused_clearly(store, first, path, message)
+
+
+def test_a_format_1_manifest_is_still_read(store: CheckpointStore) -> None:
+    first = commit(store, {"a": b"one"})
+    second = commit(store, {"a": b"two", "b/c": noise(CHUNK + 1, 1)})
+    as_format1(store, 2, format1_json(second))
+
+    assert store.read(JOB, 2) == dataclasses.replace(second, version=1)
+    assert store.list(JOB) == [first, dataclasses.replace(second, version=1)]
+    assert store.latest_valid(JOB) == (dataclasses.replace(second, version=1), [])
+    assert commit(store, {"a": b"three"}).seq == 3
+
+
+def reseal(data: bytes, *, line: bytes | None = None, header: Callable[[dict], object] | None = None,
+           tables: Callable[[bytes], bytes] | None = None) -> bytes:
+    """A format 2 manifest with its first line, header or chunk tables changed, and a checksum that
+    matches again (so what is refused is the change, not the checksum). `header` changes the header
+    in place, or returns a new one (bytes: its raw text)."""
+    first, rest = data.split(b"\n", 1)
+    (size,) = struct.unpack_from("<I", rest)
+    doc, body = json.loads(rest[4:4 + size]), rest[4 + size:-16]
+    if header is not None:
+        changed = header(doc)
+        doc = doc if changed is None else changed
+    text = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    body = tables(body) if tables is not None else body
+    sealed = (line if line is not None else first + b"\n") + struct.pack("<I", len(text)) + text + body
+    return sealed + xxhash.xxh3_128_digest(sealed)
+
+
+def flip(data: bytes, at: int) -> bytes:
+    spoiled = bytearray(data)
+    spoiled[at] ^= 0x01
+    return bytes(spoiled)
+
+
+def in_file(field: str, value: object) -> Callable[[dict], None]:
+    def change(doc: dict) -> None:
+        doc["files"][0][field] = value
+    return change
+
+
+CHECKSUM = "is damaged: its checksum does not match its content (truncated or overwritten)"
+BAD_BINARY_MANIFESTS: dict[str, tuple[Callable[[bytes], bytes], str]] = {
+    "truncated": (lambda data: data[: len(data) // 2], CHECKSUM),
+    "cut by a byte": (lambda data: data[:-1], CHECKSUM),
+    "a byte appended": (lambda data: data + b"\0", CHECKSUM),
+    "flipped in the header": (lambda data: flip(data, 40), CHECKSUM),
+    "flipped in a chunk table": (lambda data: flip(data, len(data) - 20), CHECKSUM),
+    "flipped in the checksum": (lambda data: flip(data, len(data) - 1), CHECKSUM),
+    "empty": (lambda data: b"", "is not valid JSON"),
+    "garbage": (lambda data: b"\x00\xff not a manifest", "is not valid JSON"),
+    "newer format": (lambda data: reseal(data, line=b"singularity-manifest 3\n"),
+                     "has format version 3, and this singularity-slurm reads versions 1 to 2"),
+    "first line of format 1": (lambda data: reseal(data, line=b"singularity-manifest 1\n"),
+                               "has format version 1, which no singularity-slurm wrote"),
+    "header of another format": (lambda data: reseal(data, header=lambda doc: doc.update(format=1)),
+                                 "is malformed: its header says format 1 under a format 2 first line"),
+    "header not JSON": (lambda data: reseal(data, header=lambda doc: b'{"format": 2'),
+                        "is malformed: Expecting ',' delimiter"),
+    "missing key": (lambda data: reseal(data, header=lambda doc: doc.pop("files") and None),
+                    "is malformed: the manifest must be an object with exactly the keys"),
+    "wrong size": (lambda data: reseal(data, header=lambda doc: doc.update(logical_bytes=1)),
+                   "is malformed: logical_bytes"),
+    "another seq": (lambda data: reseal(data, header=lambda doc: doc.update(seq=7)),
+                    "says it is checkpoint 7, but its file name says 2"),
+    "another job": (lambda data: reseal(data, header=lambda doc: doc.update(job_id="43")),
+                    "belongs to job 43, not to job 42"),
+    "unsafe path": (lambda data: reseal(data, header=in_file("path", "../../etc/cron.d/job")),
+                    "is malformed: file path '../../etc/cron.d/job' cannot go into a"),
+    "huge size": (lambda data: reseal(data, header=in_file("size", 1 << 62)),
+                  "is malformed: the chunks of a add up to"),
+    "negative chunk count": (lambda data: reseal(data, header=in_file("chunks", -1)),
+                             "is malformed: the chunk count of a is -1"),
+    "chunk table cut short": (lambda data: reseal(data, header=in_file("chunks", 2)),
+                              "is malformed: the chunk table of a is cut short"),
+    "bytes after the tables": (lambda data: reseal(data, tables=lambda body: body + b"1234"),
+                               "is malformed: 4 bytes follow the last chunk table"),
+    "zero length": (lambda data: reseal(data, tables=lambda body: body[:-4] + struct.pack("<I", 0)),
+                    "is malformed: a chunk of a has a length outside 1.."),
+    "huge length": (lambda data: reseal(data, tables=lambda body: body[:-4] + struct.pack("<I", 1 << 31)),
+                    "is malformed: a chunk of a has a length outside 1.."),
+    "files not a list": (lambda data: reseal(data, header=lambda doc: doc.update(files={"a": 1})),
+                         "is malformed: files must be an array"),
+}
+"""Format 2 (binary) manifests the store must refuse: how to spoil one, and what the refusal says."""
+
+
+def test_a_resealed_manifest_is_read_as_it_was(store: CheckpointStore) -> None:
+    # The spoilers above change only what they say: resealed unchanged, a manifest reads as before.
+    manifest = commit(store, {"a": b"two"})
+    assert reseal(manifest.to_bytes()) == manifest.to_bytes()
+
+
+@pytest.mark.parametrize("kind", BAD_BINARY_MANIFESTS)
+def test_an_unreadable_binary_manifest_is_refused_clearly(store: CheckpointStore, kind: str) -> None:
+    first = commit(store, {"a": b"one"})
+    commit(store, {"a": b"two"})
+    path = store.manifest_path(JOB, 2)
+    assert path.name == "00000002.mf"
+    spoil, message = BAD_BINARY_MANIFESTS[kind]
+    path.write_bytes(spoil(path.read_bytes()))
+
+    assert_refused_clearly(store, first, path, message)
+
+
+def test_a_manifest_of_a_newer_format_is_refused_as_such(store: CheckpointStore) -> None:
+    commit(store, {"a": b"one"})
+    second = commit(store, {"a": b"two"})
+    path = store.manifest_path(JOB, 2)
+    path.write_bytes(reseal(second.to_bytes(), line=b"singularity-manifest 3\n"))
+
+    with pytest.raises(NewerCheckpointFormat, match="restore it with the version that wrote it"):
+        store.read(JOB, 2)
+    path = as_format1(store, 2, format1_json(second, format=99))
+    with pytest.raises(NewerCheckpointFormat, match="restore it with the version that wrote it"):
+        store.read(JOB, 2)
+
+
+def test_a_checkpoint_the_previous_version_wrote_restores_byte_identical(store: CheckpointStore,
+                                                                       tmp_path: Path) -> None:
+    # As the previous version left it: a pack with a JSON index, and a JSON manifest (format 1).
+    contents = {"img/pages-1.img": noise(CHUNK * 2 + 5, 1), "img/core-1.img": b"core", "img/empty.img": b"",
+                "img/again.img": noise(CHUNK * 2 + 5, 1)[:CHUNK]}
+    modes = {"img/pages-1.img": 0o600, "img/core-1.img": 0o644, "img/empty.img": 0o640,
+             "img/again.img": 0o600}
+    pack, index, files = bytearray(), {}, []
+    for path, data in contents.items():
+        chunks = []
+        for offset, length in chunk_spans(len(data)):
+            piece = data[offset:offset + length]
+            if hashes_of(piece) not in index:
+                index[hashes_of(piece)] = [len(pack), length]
+                pack += piece
+            chunks.append([hashes_of(piece), length])
+        files.append({"path": path, "mode": modes[path], "size": len(data), "chunks": chunks})
+    packs, manifests = store.packs_dir(JOB), store.job_dir(JOB) / "manifests"
+    packs.mkdir(parents=True)
+    manifests.mkdir()
+    (packs / "oldhost-4711-0123abcd.pack").write_bytes(pack)
+    (packs / "oldhost-4711-0123abcd.idx").write_text(json.dumps(index))
+    (manifests / "00000001.json").write_text(json.dumps({
+        "format": 1, "job_id": "42", "seq": 1, "created_at": 1_700_000_000.5, "reason": "preemption",
+        "meta": {"restart": 0}, "logical_bytes": sum(map(len, contents.values())), "new_bytes": len(pack),
+        "files": files,
+    }) + "\n")
+
+    manifest, refused = store.latest_valid(JOB)
+    written = store.restore(manifest, tmp_path / "restored")
+
+    assert refused == []
+    assert (manifest.job_id, manifest.seq, manifest.version, manifest.reason) == ("42", 1, 1, "preemption")
+    assert manifest.files[0] == FileEntry.of_chunks("img/pages-1.img", 0o600, CHUNK * 2 + 5, [
+        ChunkRef(hashes_of(noise(CHUNK * 2 + 5, 1)[:CHUNK]), CHUNK),
+        ChunkRef(hashes_of(noise(CHUNK * 2 + 5, 1)[CHUNK:2 * CHUNK]), CHUNK),
+        ChunkRef(hashes_of(noise(CHUNK * 2 + 5, 1)[2 * CHUNK:]), 5)])
+    assert files_under(tmp_path / "restored") == contents
+    assert {str(p.relative_to(tmp_path / "restored")): stat.S_IMODE(p.stat().st_mode)
+            for p in written} == modes
+    assert chunks_on_disk(store) == set(index)
+    # The next checkpoint deduplicates against the old pack, and gets the next sequence number.
+    second = commit(store, {"img/pages-1.img": contents["img/pages-1.img"]})
+    assert (second.seq, second.new_bytes, store.manifest_path(JOB, 2).name) == (2, 0, "00000002.mf")
+    assert store.prune(JOB, keep=1).manifests_deleted == (1,)
+    assert packs_on_disk(store) == ["oldhost-4711-0123abcd.idx", "oldhost-4711-0123abcd.pack"]
+    store.restore(second, tmp_path / "second")
+    assert files_under(tmp_path / "second") == {"img/pages-1.img": contents["img/pages-1.img"]}
 
 
 # --- refusing bad input ---------------------------------------------------------------------------
@@ -600,6 +860,9 @@ def test_only_regular_files_are_stored(store: CheckpointStore, tmp_path: Path) -
 
 def test_prune_keeps_the_newest_and_deletes_only_unreferenced_chunks(store: CheckpointStore) -> None:
     kept_everywhere, gone, second_only, third_only = (noise(CHUNK, i) for i in range(1, 5))
+    # Each checkpoint's new chunks are one pack, which goes only once none of them is used: the chunk
+    # every checkpoint uses comes first, alone, so that the one only the pruned checkpoint used can go.
+    commit(store, {"a": kept_everywhere})
     commit(store, {"a": kept_everywhere, "b": gone})
     second = commit(store, {"a": kept_everywhere, "b": second_only})
     third = commit(store, {"a": kept_everywhere, "b": third_only + b"!"})
@@ -607,7 +870,7 @@ def test_prune_keeps_the_newest_and_deletes_only_unreferenced_chunks(store: Chec
 
     result = store.prune(JOB, keep=2)
 
-    assert result == PruneResult(manifests_deleted=(1,), chunks_deleted=1, chunk_bytes_deleted=CHUNK,
+    assert result == PruneResult(manifests_deleted=(1, 2), chunks_deleted=1, chunk_bytes_deleted=CHUNK,
                                  tmp_entries_deleted=0, tmp_bytes_deleted=0)
     assert store.list(JOB) == [second, third]
     assert chunks_on_disk(store) == {hashes_of(kept_everywhere), hashes_of(second_only),
@@ -615,7 +878,7 @@ def test_prune_keeps_the_newest_and_deletes_only_unreferenced_chunks(store: Chec
     assert store.job_usage(JOB) == usage - CHUNK
     store.verify(second)
     store.verify(third)
-    assert commit(store, {"a": b"next"}).seq == 4
+    assert commit(store, {"a": b"next"}).seq == 5
 
 
 @pytest.mark.parametrize("keep", [0, -1, True, 1.5])
@@ -641,18 +904,31 @@ def test_prune_removes_tmp_entries_of_dead_writers_only(store: CheckpointStore) 
     assert tmp_entries(store) == ["live-writer"]
 
 
+UNREADABLE = {
+    "json": (lambda store: as_format1(store, 3, "{"), "is not valid JSON"),
+    "binary": (lambda store: spoil_in_place(store.manifest_path(JOB, 3), lambda data: flip(data, 30)),
+               "is damaged: its checksum does not match its content"),
+}
+
+
+def spoil_in_place(path: Path, spoil: Callable[[bytes], bytes]) -> Path:
+    path.write_bytes(spoil(path.read_bytes()))
+    return path
+
+
+@pytest.mark.parametrize("kind", UNREADABLE)
 def test_prune_skips_an_unreadable_manifest_naming_it_and_keeps_the_newest_readable_ones(
-        store: CheckpointStore) -> None:
+        store: CheckpointStore, kind: str) -> None:
     first, second, _ = (commit(store, {"a": noise(CHUNK, i)}) for i in range(3))
     fourth = commit(store, {"a": noise(CHUNK, 3)})
-    path = store.manifest_path(JOB, 3)
-    path.write_text("{")
+    spoil, message = UNREADABLE[kind]
+    path = spoil(store)
 
     result = store.prune(JOB, keep=2)
 
     assert result.manifests_deleted == (first.seq,)
     assert [(s.what, s.reason.split(" (")[0]) for s in result.skipped] == [
-        (f"checkpoint 3 ({path})", f"manifest {path} is not valid JSON")]
+        (f"checkpoint 3 ({path})", f"manifest {path} {message}")]
     assert store.seqs(JOB) == [2, 3, 4]  # the unreadable one stays for whoever inspects it
     assert store.list(JOB) == [second, fourth]
     # No version can restore it: its chunks are not kept for it.
@@ -661,19 +937,30 @@ def test_prune_skips_an_unreadable_manifest_naming_it_and_keeps_the_newest_reada
     assert store.latest_valid(JOB)[0] == fourth
 
 
-def test_a_manifest_of_a_newer_format_defers_chunk_collection(store: CheckpointStore) -> None:
-    for i in range(3):
-        commit(store, {"a": noise(CHUNK, i)})
-    path = store.manifest_path(JOB, 3)
-    path.write_text(rewrite(path.read_text(), format=99))
-    chunks_before = chunks_on_disk(store)
+NEWER = {
+    "json": (lambda store, third: as_format1(store, 3, format1_json(third, format=99)),
+             "has format version 99"),
+    "binary": (lambda store, third: spoil_in_place(
+        store.manifest_path(JOB, 3), lambda data: reseal(data, line=b"singularity-manifest 3\n")),
+        "has format version 3"),
+}
+
+
+@pytest.mark.parametrize("kind", NEWER)
+def test_a_manifest_of_a_newer_format_defers_chunk_collection(store: CheckpointStore, kind: str) -> None:
+    third = [commit(store, {"a": noise(CHUNK, i)}) for i in range(3)][-1]
+    spoil, message = NEWER[kind]
+    path = spoil(store, third)
+    chunks_before, packs_before = chunks_on_disk(store), packs_on_disk(store)
 
     result = store.prune(JOB, keep=1)
 
     assert result.manifests_deleted == (1,)
     assert result.chunk_gc_deferred
-    assert "has format version 99" in result.skipped[0].reason
+    assert result.skipped[0].what == f"checkpoint 3 ({path})"
+    assert message in result.skipped[0].reason
     assert chunks_on_disk(store) == chunks_before  # the newer version may need any of them
+    assert packs_on_disk(store) == packs_before
 
 
 def test_delete_job_removes_all_its_checkpoints_and_nothing_else(store: CheckpointStore) -> None:
@@ -714,7 +1001,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 def test_a_full_disk_fails_the_writer_and_keeps_the_last_checkpoint(small_fs: Path, tmp_path: Path) -> None:
     store = CheckpointStore(small_fs)
     first = commit(store, {"img/pages-1.img": noise(64 * KiB, 1), "img/core-1.img": b"core"})
-    chunks_before = chunks_on_disk(store)
+    chunks_before, packs_before = chunks_on_disk(store), packs_on_disk(store)
     big = tmp_path / "pages-2.img"
     big.write_bytes(noise(4 * 1024 * KiB, 2))
 
@@ -724,7 +1011,7 @@ def test_a_full_disk_fails_the_writer_and_keeps_the_last_checkpoint(small_fs: Pa
 
     assert str(info.value).startswith(f"the checkpoint store {small_fs} is full (No space left on device)")
     assert "prune old checkpoints or free space" in str(info.value)
-    assert_only_first_checkpoint(store, first, chunks_before)
+    assert_only_first_checkpoint(store, first, chunks_before, packs_before)
     store.restore(first, tmp_path / "restored")
     assert files_under(tmp_path / "restored") == {"img/pages-1.img": noise(64 * KiB, 1),
                                                   "img/core-1.img": b"core"}

@@ -17,7 +17,7 @@ JOB, RUN = 42, "0-0123456789abcdef"
 
 
 def engine_on(tmp_path: Path, keep: int = 3) -> CheckpointEngine:
-    store = CheckpointStore(tmp_path / "store", max_chunk=4096, pack_chunks=True)
+    store = CheckpointStore(tmp_path / "store", max_chunk=4096)
     return CheckpointEngine(None, "n1", tmp_path, store, None, None, keep=keep)  # type: ignore[arg-type]
 
 
@@ -196,3 +196,40 @@ def test_retention_that_fails_leaves_the_checkpoints_and_is_logged(tmp_path: Pat
     assert engine.settle(10)
     assert len(engine.store.list(JOB)) == 2
     assert "old checkpoints not pruned" in caplog.text
+
+
+def test_a_restore_reads_each_checkpoint_once_and_falls_back_past_a_corrupt_one(tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    from singularity_slurm.checkpoint import images
+
+    engine = engine_on(tmp_path)
+    for data in (b"a" * 8192, b"b" * 8192):
+        with engine.store.begin(JOB, reason="periodic", meta={"uid": os.getuid()}) as writer:
+            writer.add_bytes("images/pages-1.img", data)
+            writer.commit()
+    newest = engine.store.list(JOB)[-1]
+    pack, offset, _ = engine.store.locate(JOB, newest.files[0].chunks[0].hash)
+    data = bytearray(pack.read_bytes())
+    data[offset] ^= 0x01
+    pack.write_bytes(bytes(data))
+    reads: list[int] = []
+    real = engine.store._file_data
+    monkeypatch.setattr(engine.store, "_file_data", lambda m, *a: reads.append(m.seq) or real(m, *a))
+    monkeypatch.setattr(engine, "_check_trusted", lambda job: None)
+    monkeypatch.setattr(engine, "_index", lambda action: None)
+    restored: list[int] = []
+
+    def restore_one(job_id, manifest, creds, cgroups):  # the images put back, as before criu's restore
+        images.download(engine.store, manifest, tmp_path / f"work-{manifest.seq}")
+        restored.append(manifest.seq)
+        return 4242, []
+
+    monkeypatch.setattr(engine, "_restore_one", restore_one)
+
+    result = engine.restore(JOB, os.getuid())
+
+    assert (result["seq"], restored) == (1, [1])
+    assert reads == [2, 1]  # each read once: the newest refused while it was written out
+    assert [r["seq"] for r in result["refused"]] == [2]
+    assert "no longer matches its hash" in result["refused"][0]["reason"]
+    assert (tmp_path / "work-1/images/pages-1.img").read_bytes() == b"a" * 8192

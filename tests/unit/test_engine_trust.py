@@ -24,7 +24,7 @@ def engine_on(store_root: Path) -> CheckpointEngine:
 
 def job_folders(store_root: Path) -> dict[str, Path]:
     job_dir = job_store(store_root).job_dir(JOB)
-    folders = {"job": job_dir, "manifests": job_dir / "manifests", "chunks": job_dir / "chunks"}
+    folders = {"job": job_dir, "manifests": job_dir / "manifests", "packs": job_dir / "packs"}
     for path in folders.values():
         path.mkdir(parents=True, exist_ok=True)
         os.chmod(path, 0o700)
@@ -41,7 +41,7 @@ def test_a_job_without_checkpoints_is_left_to_the_store(tmp_path: Path) -> None:
     engine_on(tmp_path)._check_trusted(JOB)
 
 
-@pytest.mark.parametrize("which", ["job", "manifests", "chunks"])
+@pytest.mark.parametrize("which", ["job", "manifests", "packs"])
 def test_a_folder_owned_by_another_user_is_refused(tmp_path: Path, which: str) -> None:
     path = job_folders(tmp_path)[which]
     os.chown(path, OTHER_UID, OTHER_UID)

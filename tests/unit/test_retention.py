@@ -68,7 +68,7 @@ def test_with_no_retention_an_ended_job_goes_at_once() -> None:
 
 
 def checkpoint(root: Path, job: int, data: bytes = b"x" * 8192) -> None:
-    store = CheckpointStore(root, max_chunk=4096, pack_chunks=True)
+    store = CheckpointStore(root, max_chunk=4096)
     with store.begin(job, reason="periodic", meta={"uid": 1000}) as writer:
         writer.add_bytes("images/pages-1.img", data)
         writer.commit()

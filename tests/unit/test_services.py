@@ -499,7 +499,7 @@ def test_a_started_tree_is_noted_for_the_epilog_at_once_and_ended_from_its_note(
 
     if os.geteuid() != 0:
         pytest.skip("starting a tree in its own namespaces needs root")
-    store = CheckpointStore(tmp_path / "store", max_chunk=4096, pack_chunks=True)
+    store = CheckpointStore(tmp_path / "store", max_chunk=4096)
     engine = CheckpointEngine(None, "n1", tmp_path, store, None, None)  # type: ignore[arg-type]
     spec = jobtree.TreeSpec(["sleep", "60"], 65534, 65534, "/", "/dev/null", {"PATH": "/usr/bin:/bin"})
     init_pid, waiter = engine.start(spec)

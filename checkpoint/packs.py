@@ -1,0 +1,166 @@
+"""Pack indexes: where each chunk of a job lies in its packs, as sorted arrays.
+
+A writer appends its new chunks to one pack file and, at commit, publishes the pack with its index
+(`<name>.pack`, `<name>.idx`). An index (format 2) is::
+
+    b"singularity-pack-index 2\\n"
+    entries sorted by digest, 28 bytes each: digest (16), offset in the pack (u64 LE), length (u32 LE)
+
+A job's `PackIndex` joins the indexes of all its packs into arrays sorted by digest, so a lookup of
+a block of digests is one `searchsorted` and the index costs 32 bytes a chunk whatever the job's
+size. Format 1 indexes (a JSON object of hex digest -> [offset, length]) are still read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from singularity_slurm.checkpoint.manifest import DIGEST, MAX_CHUNK_LENGTH
+
+INDEX_MAGIC = b"singularity-pack-index 2\n"
+ENTRY = np.dtype([("digest", DIGEST), ("offset", "<u8"), ("length", "<u4")])
+_MAX_OFFSET = 1 << 62
+_HASH = re.compile(r"[0-9a-f]{32}")
+
+
+def encode_index(digests: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> bytes:
+    """A pack's index file: its chunks' digests, offsets and lengths, sorted by digest."""
+    entries = np.empty(len(digests), ENTRY)
+    entries["digest"], entries["offset"], entries["length"] = digests, offsets, lengths
+    entries = entries[np.argsort(entries["digest"], kind="stable")]
+    return INDEX_MAGIC + entries.tobytes()
+
+
+def read_pack_index(path: Path, pack_size: int | None) -> np.ndarray:
+    """The entries of one pack index (ENTRY records); ValueError says what is wrong with it.
+
+    Every entry must lie inside its pack (`pack_size` bytes, None when the pack is gone), so no
+    length read from the store can make a reader allocate more than the pack holds.
+    """
+    data = path.read_bytes()
+    if pack_size is None:
+        raise ValueError(f"has no pack {path.with_suffix('.pack').name} beside it")
+    if data.startswith(INDEX_MAGIC):
+        body = memoryview(data)[len(INDEX_MAGIC):]
+        if len(body) % ENTRY.itemsize:
+            raise ValueError(f"holds {len(body)} bytes of entries, not a whole number of "
+                             f"{ENTRY.itemsize}-byte entries; it was truncated")
+        entries = np.frombuffer(body, ENTRY)
+    else:
+        entries = _json_entries(data)
+    if len(entries):
+        lengths, offsets = entries["length"].astype(np.uint64), entries["offset"]
+        bad = np.flatnonzero((lengths < 1) | (lengths > MAX_CHUNK_LENGTH))
+        if bad.size:
+            at = entries[bad[0]]
+            raise ValueError(f"gives chunk {at['digest'].tobytes().hex()} the length {int(at['length'])}, "
+                             f"outside 1..{MAX_CHUNK_LENGTH}")
+        bad = np.flatnonzero((offsets > _MAX_OFFSET) | (offsets + lengths > pack_size))
+        if bad.size:
+            at = entries[bad[0]]
+            raise ValueError(f"puts chunk {at['digest'].tobytes().hex()} at bytes {int(at['offset'])}.."
+                             f"{int(at['offset']) + int(at['length'])}, beyond the end of its pack "
+                             f"({pack_size} bytes)")
+    return entries
+
+
+def _json_entries(data: bytes) -> np.ndarray:
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"is neither a format 2 index nor valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"holds a JSON {type(doc).__name__}, not an object of hash -> [offset, length]")
+    entries = np.empty(len(doc), ENTRY)
+    for i, (chunk_hash, entry) in enumerate(doc.items()):
+        if not _HASH.fullmatch(chunk_hash) or not (isinstance(entry, list) and len(entry) == 2):
+            raise ValueError(f"has the entry {chunk_hash!r}: {entry!r}, not 32 hex digits -> "
+                             "[offset, length]")
+        for value, what, low, high in ((entry[0], "offset", 0, _MAX_OFFSET),
+                                       (entry[1], "length", 1, MAX_CHUNK_LENGTH)):
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(f"gives chunk {chunk_hash} the {what} {value!r}, not an integer in "
+                                 f"{low}..{high}")
+        entries[i] = (bytes.fromhex(chunk_hash), entry[0], entry[1])
+    return entries
+
+
+def stat_key(path: Path) -> tuple[int, int, int]:
+    """What tells a published index from another file that took its name."""
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns, info.st_ino
+
+
+class PackIndex:
+    """Every packed chunk of one job: digest -> (pack, offset, length), sorted by digest."""
+
+    def __init__(self, sources: Sequence[tuple[Path, tuple[int, ...]]], parts: Sequence[np.ndarray]):
+        self.sources = list(sources)  # (index file, its stat_key when read) of each pack number
+        self.parts = list(parts)  # the entries of each pack's index, as read
+        self.packs = [path.with_suffix(".pack") for path, _ in self.sources]
+        sizes = [len(part) for part in parts]
+        entries = np.concatenate(parts) if parts else np.empty(0, ENTRY)
+        numbers = np.repeat(np.arange(len(parts), dtype=np.uint32), sizes)
+        order = np.argsort(entries["digest"], kind="stable")  # a chunk in two packs: the first pack's
+        digests = entries["digest"][order]
+        first = np.ones(len(digests), bool)
+        first[1:] = digests[1:] != digests[:-1]
+        keep = order[first]
+        self.digests = entries["digest"][keep]
+        self.pack = numbers[keep]
+        self.offset = entries["offset"][keep]
+        self.length = entries["length"][keep]
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def find(self, digests: np.ndarray) -> np.ndarray:
+        """The position of each digest in this index (int64), -1 where the job has no such chunk."""
+        if not len(self.digests):
+            return np.full(len(digests), -1, np.int64)
+        at = np.searchsorted(self.digests, digests)
+        clipped = np.minimum(at, len(self.digests) - 1)
+        return np.where(self.digests[clipped] == digests, clipped, -1).astype(np.int64)
+
+    def get(self, digest: bytes) -> tuple[Path, int, int] | None:
+        """Where one chunk is: (pack, offset, length), or None."""
+        at = int(self.find(np.frombuffer(digest, DIGEST))[0])
+        if at < 0:
+            return None
+        return self.packs[int(self.pack[at])], int(self.offset[at]), int(self.length[at])
+
+
+class DigestSet:
+    """Digests seen so far, in bounded memory: recent ones in a set, older ones in a sorted array
+    (16 bytes each), merged in batches."""
+
+    MERGE_AT = 1 << 16
+
+    def __init__(self) -> None:
+        self.sorted = np.empty(0, DIGEST)
+        self.recent: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self.sorted) + len(self.recent)
+
+    def in_sorted(self, digests: np.ndarray) -> np.ndarray:
+        if not len(self.sorted):
+            return np.zeros(len(digests), bool)
+        at = np.minimum(np.searchsorted(self.sorted, digests), len(self.sorted) - 1)
+        return self.sorted[at] == digests
+
+    def add(self, digest: bytes) -> None:
+        self.recent.add(digest)
+
+    def settle(self) -> None:
+        """Merge the recent digests into the array once there are enough of them."""
+        if len(self.recent) >= self.MERGE_AT:
+            fresh = np.frombuffer(b"".join(self.recent), DIGEST)
+            self.sorted = np.sort(np.concatenate([self.sorted, fresh]), kind="stable")
+            self.recent = set()
