@@ -35,6 +35,9 @@ class NodeStart:
     # from the first start that knows them)
     requested_devices: int | None = None
     eligible_at: float | None = None
+    # the node's GPUs of the job as NVML saw them at the start (node.gpus.Gpu records); None where
+    # NVML could not tell
+    gpu_inventory: list[dict] | None = None
 
 
 def connect(config: RedisConfig, timeout: float = 5.0) -> redis.Redis:
@@ -93,6 +96,7 @@ class Registry:
             "gpus": ",".join(start.gpus),
             "started_at": start.started_at,
             "services": json.dumps(start.services),
+            "gpu_inventory": json.dumps(start.gpu_inventory),
         })
         pipe.sadd(keys.job_nodes(start.job_id), start.node)
         pipe.rpush(keys.job_events(start.job_id), json.dumps({
@@ -182,6 +186,7 @@ class Registry:
                 "gpus": [g for g in raw.get("gpus", "").split(",") if g],
                 "started_at": float(raw.get("started_at", 0) or 0),
                 "services": json.loads(raw.get("services") or "{}"),
+                "gpu_inventory": json.loads(raw.get("gpu_inventory") or "null"),
             }
         events = [json.loads(e) for e in self.redis.lrange(keys.job_events(job_id), 0, -1)]
         try:

@@ -82,6 +82,16 @@ def restore_pairs(old: Sequence[Gpu], new: Sequence[Gpu]) -> list[GpuPair]:
     return [GpuPair(a.uuid, b.uuid) for a, b in pairs]
 
 
+def node_inventory(indices: Iterable[int]) -> tuple[list[Gpu] | None, str | None]:
+    """The job's GPUs on this node for the registry, or (None, why) where NVML cannot tell: no
+    NVIDIA driver or bindings on the node (a CPU node, or the dev cluster's stand-in devices), or a
+    GPU it cannot read. Never raises: the Prolog must not fail for it."""
+    try:
+        return inventory(indices), None
+    except CheckpointError as exc:
+        return None, str(exc)
+
+
 def inventory(indices: Iterable[int]) -> list[Gpu]:
     """The GPUs with these NVML indices, through pynvml (nvidia-ml-py)."""
     try:

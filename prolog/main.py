@@ -22,6 +22,7 @@ from singularity_slurm.jobenv import (
     job_run_dir,
     valid_job_id,
 )
+from singularity_slurm.node import gpus as node_gpus
 from singularity_slurm.node import services
 from singularity_slurm.nodelog import node_logger
 from singularity_slurm.slurmcli import SlurmClient, parse_time
@@ -125,15 +126,35 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
              ",".join(job.gpus) or "-", job.restart_count, pids)
     requested, eligible = (sla_facts(job, SlurmClient(timeout=5), started_at, log) if job.restart_count == 0
                            else (None, None))
+    inventory = gpu_inventory(job, log)
     try:
         Registry(connect(config.redis)).record_node_start(NodeStart(
             job_id=job.job_id, node=job.node, user=job.user, uid=job.uid, tier=job.tier,
             partition=job.partition, gpus=job.gpus, restart_count=job.restart_count,
             started_at=started_at, services=pids, requested_devices=requested, eligible_at=eligible,
+            gpu_inventory=inventory,
         ))
     except (RegistryError, OSError) as exc:
         log.warning("job not recorded in the registry (the job runs anyway): %s", exc)
     return 0
+
+
+def gpu_inventory(job: JobContext, log) -> list[dict] | None:
+    """The job's GPUs on this node by UUID, type, memory and health (NVML), as the registry keeps
+    them; None without GPUs or where NVML cannot tell (logged). An unhealthy GPU is logged as a
+    warning: the job runs, and a restore refuses it (node.gpus.restore_pairs)."""
+    indices = [int(gpu) for gpu in job.gpus if gpu.isdigit()]
+    if not indices:
+        return None
+    found, why = node_gpus.node_inventory(indices)
+    if found is None:
+        log.info("GPU inventory not taken: %s", why)
+        return None
+    for gpu in found:
+        if not gpu.healthy:
+            log.warning("GPU %d (%s, %s) is unhealthy: %s", gpu.index, gpu.name, gpu.uuid,
+                        "; ".join(gpu.problems))
+    return [gpu.record() for gpu in found]
 
 
 SLA_LOOKBACK_S = 30 * 86400.0

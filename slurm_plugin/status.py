@@ -53,6 +53,8 @@ def merge_job(slurm: dict[str, str] | None, record: dict | None, config: Config,
             "started_at": record.get("started_at"),
             "ended_at": record.get("ended_at"),
             "node_gpus": {n: v["gpus"] for n, v in record.get("nodes", {}).items()},
+            "gpu_inventory": {n: v["gpu_inventory"] for n, v in record.get("nodes", {}).items()
+                              if v.get("gpu_inventory")},
             "events": record.get("events", []),
         }
         out["checkpoints"] = record.get("checkpoints", [])
@@ -135,6 +137,14 @@ def format_details(job: dict[str, Any]) -> str:
             refused = "".join(f"; checkpoint {x['seq']} refused: {x['reason']}" for x in r.get("refused", []))
             lines.append(f"  {_when(r.get('time'))}  checkpoint {r.get('seq')} on {r.get('node')} "
                          f"in {r.get('seconds')}s{refused}")
+    inventory = (job.get("registry") or {}).get("gpu_inventory") or {}
+    if inventory:
+        lines.append("GPUs (NVML, at the job's start on each node):")
+        for node, found in sorted(inventory.items()):
+            for gpu in found:
+                health = "; ".join(gpu.get("problems") or []) or "healthy"
+                lines.append(f"  {node:<5} GPU {gpu.get('index')}  {gpu.get('name')}  {gpu.get('uuid')}  "
+                             f"{gpu.get('memory_mib')} MiB  {health}")
     sla = job.get("sla")
     if sla:
         floor = "best effort" if not sla["floor"] else f"floor {sla['floor']:.2f}"

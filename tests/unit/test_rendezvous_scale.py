@@ -4,46 +4,18 @@ costs O(P) commands (each proxy reads the record once), where polling read it P 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from singularity_slurm.proxy.rendezvous import RedisRendezvous, RendezvousError
 
 PROXIES = 256
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 @pytest.fixture
-def redis_client(tmp_path: Path):
-    import redis
-
-    if not Path(REDIS_SERVER).exists():
-        pytest.skip("redis-server is not installed (make test installs it)")
-    sock = tmp_path / "redis.sock"
-    server = subprocess.Popen([REDIS_SERVER, "--port", "0", "--unixsocket", str(sock), "--save", "",
-                               "--appendonly", "no", "--dir", str(tmp_path)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        client = redis.Redis(unix_socket_path=str(sock), socket_timeout=5, decode_responses=True,
-                             max_connections=PROXIES + 8)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except (redis.ConnectionError, FileNotFoundError):
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.05)
-        yield client
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def redis_client(private_redis):
+    return private_redis
 
 
 def calls(client, command: str) -> int:

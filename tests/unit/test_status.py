@@ -103,7 +103,7 @@ def test_registry_record_alone_for_an_ended_job() -> None:
         "checkpoints": [], "restores": [], "failures": [], "sizes": [],
         "registry": {
             "state": "ended", "restart_count": 1, "first_started_at": 100.0, "started_at": 200.0,
-            "ended_at": 300.0, "node_gpus": {"n2": ["0", "1"], "n1": ["2"]},
+            "ended_at": 300.0, "node_gpus": {"n2": ["0", "1"], "n1": ["2"]}, "gpu_inventory": {},
             "events": [{"event": "node_start", "node": "n1", "time": 200.0, "restart_count": 1}],
         },
         # a job without `singularityctl run` holds its allocation from the start on n1 to its end
@@ -124,7 +124,8 @@ def test_sparse_registry_record_gets_defaults() -> None:
         "restart_count": 0, "nodes": [], "tier": None, "managed": False,
         "checkpoints": [], "restores": [], "failures": [], "sizes": [],
         "registry": {"state": None, "restart_count": None, "first_started_at": None,
-                     "started_at": None, "ended_at": None, "node_gpus": {}, "events": []},
+                     "started_at": None, "ended_at": None, "node_gpus": {}, "gpu_inventory": {},
+                     "events": []},
     }
 
 
