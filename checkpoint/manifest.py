@@ -209,15 +209,15 @@ def _from_binary(data: bytes, refuse, job_id: str | None, seq: int | None, where
         if at != len(data) - 16:
             raise ValueError(f"{len(data) - 16 - at} bytes follow the last chunk table")
         return _manifest(doc, files)
-    except (TypeError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError both are ValueErrors
-        raise refuse(f"is malformed: {exc}") from exc
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:  # JSON errors are ValueErrors
+        raise refuse(f"is malformed: {exc!s:.200}") from exc
 
 
 def _from_json(data: bytes, refuse, job_id: str | None, seq: int | None, where: str) -> Manifest:
     try:
         doc = json.loads(data)
-    except ValueError as exc:
-        raise refuse(f"is not valid JSON ({exc}); it was truncated or overwritten") from exc
+    except (ValueError, RecursionError) as exc:
+        raise refuse(f"is not valid JSON ({exc!s:.200}); it was truncated or overwritten") from exc
     if not isinstance(doc, dict):
         raise refuse(f"holds a JSON {type(doc).__name__}, not an object")
     if isinstance(doc.get("format"), int) and doc["format"] > FORMAT_VERSION:
@@ -234,8 +234,8 @@ def _from_json(data: bytes, refuse, job_id: str | None, seq: int | None, where: 
             files.append(_file(path, entry["mode"], entry["size"], bytes.fromhex("".join(hashes)),
                                np.asarray(lengths, dtype=LENGTHS).tobytes()))
         return _manifest(doc, files, version=1)
-    except (TypeError, ValueError) as exc:
-        raise refuse(f"is malformed: {exc}") from exc
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise refuse(f"is malformed: {exc!s:.200}") from exc
 
 
 def _pairs(raw: list[Any], path: str) -> tuple[list[str], list[int]]:

@@ -7,8 +7,9 @@ A writer appends its new chunks to one pack file and, at commit, publishes the p
     entries sorted by digest, 28 bytes each: digest (16), offset in the pack (u64 LE), length (u32 LE)
 
 A job's `PackIndex` joins the indexes of all its packs into arrays sorted by digest, so a lookup of
-a block of digests is one `searchsorted` and the index costs 32 bytes a chunk whatever the job's
-size. Format 1 indexes (a JSON object of hex digest -> [offset, length]) are still read.
+a block of digests is one `searchsorted`. It costs about 60 bytes a chunk: the joined arrays (32),
+and each pack's entries as read (28), kept so that a new pack is joined without reading the others
+again. Format 1 indexes (a JSON object of hex digest -> [offset, length]) are still read.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def read_pack_index(path: Path, pack_size: int | None) -> np.ndarray:
 def _json_entries(data: bytes) -> np.ndarray:
     try:
         doc = json.loads(data)
-    except ValueError as exc:
-        raise ValueError(f"is neither a format 2 index nor valid JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"is neither a format 2 index nor valid JSON ({exc!s:.200})") from exc
     if not isinstance(doc, dict):
         raise ValueError(f"holds a JSON {type(doc).__name__}, not an object of hash -> [offset, length]")
     entries = np.empty(len(doc), ENTRY)
@@ -137,30 +138,36 @@ class PackIndex:
 
 
 class DigestSet:
-    """Digests seen so far, in bounded memory: recent ones in a set, older ones in a sorted array
-    (16 bytes each), merged in batches."""
+    """Digests seen so far, in bounded memory: recent ones in a set, older ones in a few sorted
+    arrays (16 bytes each) whose sizes at least double from one to the next, merged in batches, so
+    that adding n digests costs O(n log n) and a lookup searches O(log n) arrays."""
 
     MERGE_AT = 1 << 16
 
     def __init__(self) -> None:
-        self.sorted = np.empty(0, DIGEST)
+        self.levels: list[np.ndarray] = []
         self.recent: set[bytes] = set()
 
     def __len__(self) -> int:
-        return len(self.sorted) + len(self.recent)
+        return sum(map(len, self.levels)) + len(self.recent)
 
-    def in_sorted(self, digests: np.ndarray) -> np.ndarray:
-        if not len(self.sorted):
-            return np.zeros(len(digests), bool)
-        at = np.minimum(np.searchsorted(self.sorted, digests), len(self.sorted) - 1)
-        return self.sorted[at] == digests
+    def contains(self, digests: np.ndarray) -> np.ndarray:
+        """Which of `digests` are in the sorted arrays (the recent set is the caller's to ask)."""
+        found = np.zeros(len(digests), bool)
+        for level in self.levels:
+            at = np.minimum(np.searchsorted(level, digests), len(level) - 1)
+            found |= level[at] == digests
+        return found
 
     def add(self, digest: bytes) -> None:
         self.recent.add(digest)
 
     def settle(self) -> None:
-        """Merge the recent digests into the array once there are enough of them."""
-        if len(self.recent) >= self.MERGE_AT:
-            fresh = np.frombuffer(b"".join(self.recent), DIGEST)
-            self.sorted = np.sort(np.concatenate([self.sorted, fresh]), kind="stable")
-            self.recent = set()
+        """Move the recent digests into the arrays once there are enough of them."""
+        if len(self.recent) < self.MERGE_AT:
+            return
+        fresh = np.sort(np.frombuffer(b"".join(self.recent), DIGEST))
+        self.recent = set()
+        while self.levels and len(self.levels[-1]) <= 2 * len(fresh):
+            fresh = np.sort(np.concatenate([self.levels.pop(), fresh]), kind="stable")  # two sorted runs
+        self.levels.append(fresh)

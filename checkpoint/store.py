@@ -13,17 +13,20 @@ linked into manifests/; until then nothing a writer did is visible to readers, s
 full disk included) never replaces the last good checkpoint. Chunks are shared by all checkpoints of
 a job, so a checkpoint stores only the chunks that changed.
 
-Concurrency: one writer per job at a time is the expected use. Two writers cannot take the same sequence
-number (it is claimed with an exclusive link). A writer's tmp folder marks it as active: while one is
-there, garbage collection leaves packs alone, and `commit` checks that every pack it deduplicated
-against is still there, so a writer racing a prune fails with CheckpointConflict instead of
-committing a checkpoint with holes. A pack is removed whole, once no kept checkpoint uses any of its
-chunks.
+Concurrency: writers and readers (verify, restore) hold the job's lock (`<job>/lock`, flock) shared,
+garbage collection exclusive and only if it is free at once (else it is deferred), so no pack is
+removed or compacted while a checkpoint is written from it or restored. Two writers cannot take the
+same sequence number (it is claimed with an exclusive link). For collections that take no lock (an
+older version's), a writer's tmp folder still marks it as active, and `commit` checks that every chunk
+it deduplicated against is still in a pack, so such a race fails with CheckpointConflict instead of
+committing a checkpoint with holes. A pack is removed whole once no kept checkpoint uses any of its
+chunks; one whose live chunks are under half its bytes is compacted into a new pack.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -78,6 +81,8 @@ COMPACT_BELOW = 0.5
 """A pack whose live chunks are less than this share of its bytes is compacted by garbage collection:
 without it, a pack lives as long as any one of its chunks, and the store of a job that dirties a few
 pages between checkpoints grows with every checkpoint."""
+COMPACT_MAX_BYTES = 1 << 30
+"""Live bytes one collection copies at most when it compacts (it holds the job's lock meanwhile)."""
 RESTORE_READ = 8 << 20
 """At most this many bytes of chunks lying back to back in a pack are read at once by a restore."""
 DEFAULT_TMP_GRACE_S = 3600.0
@@ -88,6 +93,7 @@ _HASH = re.compile(r"[0-9a-f]{32}")
 _MANIFEST_NAME = re.compile(r"([0-9]{8,})\.(mf|json)")
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 FENCE = "fence.json"
+LOCK = "lock"
 
 
 def chunk_spans(size: int, boundaries: Sequence[int] | None = None,
@@ -98,6 +104,12 @@ def chunk_spans(size: int, boundaries: Sequence[int] | None = None,
     offsets where memory regions start as boundaries, a region inserted into a pages image changes the
     chunks of that region only, instead of shifting every chunk after it.
     """
+    _check_boundaries(size, boundaries)
+    offsets, lengths = span_arrays(size, boundaries, max_chunk)
+    return list(zip(offsets.tolist(), lengths.tolist(), strict=True))
+
+
+def _check_boundaries(size: int, boundaries: Sequence[int] | None) -> None:
     previous = 0
     for offset in boundaries or ():
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= size:
@@ -105,12 +117,20 @@ def chunk_spans(size: int, boundaries: Sequence[int] | None = None,
         if offset < previous:
             raise InvalidCheckpointRequest(f"chunk boundaries must be sorted; {offset} follows {previous}")
         previous = offset
+
+
+def span_arrays(size: int, boundaries: Sequence[int] | None, max_chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """chunk_spans as two int64 arrays, offsets and lengths (16 bytes a chunk; boundaries unchecked)."""
     # Repeats are harmless (an empty memory region starts where the next one does): one cut each.
-    cuts = [0, *sorted({offset for offset in boundaries or () if 0 < offset < size}), size]
-    spans = []
-    for start, end in zip(cuts, cuts[1:], strict=False):
-        spans.extend((offset, min(max_chunk, end - offset)) for offset in range(start, end, max_chunk))
-    return spans
+    cuts = np.array([0, *sorted({offset for offset in boundaries or () if 0 < offset < size}), size],
+                    dtype=np.int64)
+    starts, ends = cuts[:-1], cuts[1:]
+    counts = -(-(ends - starts) // max_chunk)
+    first = np.repeat(starts, counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    offsets = first + within * max_chunk
+    lengths = np.minimum(max_chunk, np.repeat(ends, counts) - offsets)
+    return offsets, lengths
 
 
 class Skipped(NamedTuple):
@@ -221,32 +241,18 @@ def _index_key(index: Path) -> tuple[Any, ...]:
     return (*stat_key(index), _size(index.with_suffix(".pack")))
 
 
+def _members(digests: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Which of `digests` are in `sorted_set` (sorted, unique): one searchsorted, no sort."""
+    if not len(sorted_set):
+        return np.zeros(len(digests), bool)
+    at = np.minimum(np.searchsorted(sorted_set, digests), len(sorted_set) - 1)
+    return sorted_set[at] == digests
+
+
 def _offsets(lengths: np.ndarray) -> np.ndarray:
     """The offset in its file of each chunk."""
     ends = np.cumsum(lengths, dtype=np.int64)
     return ends - lengths
-
-
-class _PackGone(Exception):
-    """A pack the index named is gone (deleted, or compacted into another since the index was read)."""
-
-    def __init__(self, refusal: CorruptCheckpoint):
-        super().__init__(str(refusal))
-        self.refusal = refusal
-
-
-class _Sink:
-    """Writes a restored file; `restart` empties it to write it again from the start."""
-
-    def __init__(self, out: Any):
-        self.out = out
-
-    def __call__(self, data: memoryview) -> None:
-        self.out.write(data)
-
-    def restart(self) -> None:
-        self.out.seek(0)
-        self.out.truncate()
 
 
 class CheckpointStore:
@@ -373,6 +379,36 @@ class CheckpointStore:
             return []
         return sorted((name for name in names if _JOB_ID.fullmatch(name)), key=int)
 
+    def lock(self, job_id: int | str, *, exclusive: bool, wait: bool = True) -> int | None:
+        """Take the job's store lock (flock on `<job>/lock`): writers and readers hold it shared,
+        garbage collection exclusive, so no pack goes while a checkpoint is written from it or
+        restored. Returns the fd that holds it (closing it releases it), -1 where the job has no
+        folder (nothing to lock), None where it was not free (without wait)."""
+        folder = self.job_dir(job_id)
+        try:
+            fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            raise CheckpointError(f"cannot open the lock of job {folder.name} in {self.root}: {exc}; "
+                                  "check that the store is mounted and writable") from exc
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    @contextmanager
+    def job_lock(self, job_id: int | str, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+        """`lock` for a block: yields whether it was taken."""
+        fd = self.lock(job_id, exclusive=exclusive, wait=wait)
+        try:
+            yield fd is not None
+        finally:
+            if fd is not None and fd >= 0:
+                os.close(fd)
+
     # --- writing -----------------------------------------------------------------------------------
 
     def begin(self, job_id: int | str, *, reason: str,
@@ -438,69 +474,46 @@ class CheckpointStore:
             i = int(wrong[0])
             raise refuse(i, f"is corrupt: its pack {index.packs[packs[i]].name} holds "
                             f"{int(index.length[at[i]])} bytes for it instead of {lengths[i]}")
-        # A run: chunks lying back to back in the same pack.
-        breaks = np.flatnonzero((packs[1:] != packs[:-1]) | (starts[1:] != starts[:-1] + lengths[:-1])) + 1
-        run_end = np.repeat(np.append(breaks, len(at)), np.diff(np.concatenate(([0], breaks, [len(at)]))))
-        lengths_l, run_end_l, raw = lengths.tolist(), run_end.tolist(), entry.digests
-        i, n = 0, len(lengths_l)
+        # A run: chunks lying back to back in the same pack; read RESTORE_READ bytes of it at most at once.
+        run_ends = np.append(np.flatnonzero((packs[1:] != packs[:-1])
+                                            | (starts[1:] != starts[:-1] + lengths[:-1])) + 1, len(at))
+        ends, raw, n, i = np.cumsum(lengths), entry.digests, len(at), 0
         while i < n:
-            j, size = i + 1, lengths_l[i]
-            while j < run_end_l[i] and size + lengths_l[j] <= RESTORE_READ:
-                size += lengths_l[j]
-                j += 1
+            run_end = int(run_ends[np.searchsorted(run_ends, i, side="right")])
+            j = int(np.searchsorted(ends, int(ends[i] - lengths[i]) + RESTORE_READ, side="right"))
+            j = min(max(j, i + 1), run_end)
+            group = lengths[i:j].tolist()
+            size = sum(group)
             pack = index.packs[int(packs[i])]
             try:
                 data = os.pread(self._pack_fd(pack), size, int(starts[i]))
             except FileNotFoundError:
-                raise _PackGone(refuse(i, f"is missing: its pack {pack} is gone")) from None
+                raise refuse(i, f"is missing: its pack {pack} is gone") from None
             except OSError as exc:
                 # Not CorruptCheckpoint: a transient error (a stale NFS handle) must not make
                 # latest_valid fall back to an older checkpoint and throw away the job's progress.
                 raise CheckpointError(f"cannot read pack {pack}: {exc}; check the store and retry") from exc
-            if len(data) != size:
-                k, end = i, lengths_l[i]
-                while end <= len(data):
-                    k, end = k + 1, end + lengths_l[k + 1]
-                have = max(len(data) - (end - lengths_l[k]), 0)
-                raise refuse(k, f"is corrupt: it has {have} bytes in {pack.name} instead of {lengths_l[k]}")
             view, cut = memoryview(data), 0
-            for k in range(i, j):
-                length = lengths_l[k]
+            for k, length in enumerate(group, start=i):
+                if cut + length > len(data):
+                    raise refuse(k, f"is corrupt: it has {max(len(data) - cut, 0)} bytes in {pack.name} "
+                                    f"instead of {length}")
                 if xxhash.xxh3_128_digest(view[cut:cut + length]) != raw[16 * k:16 * k + 16]:
                     raise refuse(k, f"is corrupt: its content in {pack.name} no longer matches its hash")
                 cut += length
             yield view
             i = j
 
-    def _read_file(self, manifest: Manifest, entry: FileEntry, index: PackIndex,
-                   out: Callable[[memoryview], Any]) -> PackIndex:
-        """Pass a file's verified bytes to `out`; returns the index it was read with. A pack gone
-        since the index was read may have been compacted into another: the file is read again once
-        with a fresh index (`out` is then called again from the file's start)."""
-        try:
-            for data in self._file_data(manifest, entry, index):
-                out(data)
-            return index
-        except _PackGone:
-            index = self.pack_index(manifest.job_id)
-            restart = getattr(out, "restart", None)
-            if restart is not None:
-                restart()
-        try:
-            for data in self._file_data(manifest, entry, index):
-                out(data)
-        except _PackGone as gone:
-            raise gone.refusal from None
-        return index
-
     def verify(self, manifest: Manifest) -> None:
         """Read every chunk and check its length and hash; CorruptCheckpoint names the first bad one."""
-        index = self.pack_index(manifest.job_id)
-        try:
-            for entry in manifest.files:
-                index = self._read_file(manifest, entry, index, lambda data: None)
-        finally:
-            self._close_packs()
+        with self.job_lock(manifest.job_id, exclusive=False):
+            index = self.pack_index(manifest.job_id)
+            try:
+                for entry in manifest.files:
+                    for _ in self._file_data(manifest, entry, index):
+                        pass
+            finally:
+                self._close_packs()
 
     def _pack_fd(self, pack: Path) -> int:
         """An fd of `pack`, kept open until the current verify or restore ends."""
@@ -520,7 +533,10 @@ class CheckpointStore:
         Each file appears under its name only when complete. On any bad chunk, CorruptCheckpoint, and the
         files this call already wrote are removed again.
         """
-        dest = Path(dest_dir)
+        with self.job_lock(manifest.job_id, exclusive=False):
+            return self._restore(manifest, Path(dest_dir))
+
+    def _restore(self, manifest: Manifest, dest: Path) -> list[Path]:
         written: list[Path] = []
         index = self.pack_index(manifest.job_id)
         try:
@@ -533,7 +549,8 @@ class CheckpointStore:
                 tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.restoring")
                 try:
                     with open(tmp, "xb") as out:
-                        index = self._read_file(manifest, entry, index, _Sink(out))
+                        for data in self._file_data(manifest, entry, index):
+                            out.write(data)
                         # Permission bits only: a checkpoint must not be a way to create setuid files.
                         os.fchmod(out.fileno(), entry.mode & 0o777)
                     os.replace(tmp, target)
@@ -603,7 +620,7 @@ class CheckpointStore:
         folder = self.job_dir(job_id) / "manifests"
         with _store_io(self.root, f"prune checkpoints of job {job_key(job_id)}"):
             for seq in doomed:
-                for suffix in ("mf", "json"):
+                for suffix in ("json", "mf"):  # a stub never outlives its manifest
                     (folder / f"{seq:08d}.{suffix}").unlink(missing_ok=True)
             if doomed:
                 _fsync_dir(folder)
@@ -667,8 +684,20 @@ class CheckpointStore:
                 else:
                     entry.unlink(missing_ok=True)
                 tmp_entries += 1
-        # The order matters: packs listed first, writers checked next, manifests read last. A writer
-        # that commits after the check started after it too, so its pack is not in our listing.
+        lock = self.lock(job_id, exclusive=True, wait=False)
+        if lock is None:  # a checkpoint is being written or restored: its packs stay
+            return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True)
+        try:
+            return self._collect_locked(job_id, doomed, grace_s, tmp_entries, tmp_bytes)
+        finally:
+            if lock >= 0:
+                os.close(lock)
+
+    def _collect_locked(self, job_id: int | str, doomed: tuple[int, ...], grace_s: float, tmp_entries: int,
+                        tmp_bytes: int) -> PruneResult:
+        # The order matters where a writer takes no lock (an older version's): packs listed first,
+        # writers checked next, manifests read last. A writer that commits after the check started
+        # after it too, so its pack is not in our listing.
         folder = self.packs_dir(job_id)
         listed = sorted(folder.iterdir()) if folder.is_dir() else []
         if self._active_writers(job_id, grace_s):
@@ -693,6 +722,14 @@ class CheckpointStore:
             if path.suffix != ".idx":
                 continue
             pack = path.with_suffix(".pack")
+            if pack.name not in names:
+                # An index whose pack is gone (a deletion cut short between the two unlinks).
+                try:
+                    if self.clock() - path.stat().st_mtime >= grace_s:
+                        path.unlink()
+                        continue
+                except FileNotFoundError:
+                    continue
             try:
                 entries = read_pack_index(path, _size(pack))
             except FileNotFoundError:
@@ -701,19 +738,29 @@ class CheckpointStore:
                 skipped.append(Skipped(f"pack index {path}", str(exc)))  # left for whoever inspects it
                 continue
             # A pack goes once no kept checkpoint uses any of its chunks; a mostly dead one is compacted.
-            live = np.isin(entries["digest"], referenced) if len(referenced) else np.zeros(len(entries), bool)
+            live = _members(entries["digest"], referenced)
             if live.any():
                 size = _size(pack) or 0
                 if int(entries["length"][live].sum(dtype=np.uint64)) < COMPACT_BELOW * size:
                     sparse.append((path, entries[live], size, len(entries) - int(live.sum())))
                 continue
             size = _size(pack) or 0
+            path.unlink(missing_ok=True)  # the index first: a pack without one is never read
             pack.unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
             chunks, chunk_bytes = chunks + len(entries), chunk_bytes + size
         compacted = 0
-        if sparse:
-            compacted, freed, dead, refused = self._compact(job_id, sparse)
+        # At most COMPACT_MAX_BYTES of live chunks copied per collection (the sparsest packs first):
+        # writers and restores wait for a collection, and what is left is compacted by the next.
+        sparse.sort(key=lambda item: int(item[1]["length"].sum(dtype=np.uint64)) / max(item[2], 1))
+        budget, chosen = COMPACT_MAX_BYTES, []
+        for item in sparse:
+            live_bytes = int(item[1]["length"].sum(dtype=np.uint64))
+            if chosen and live_bytes > budget:
+                break
+            chosen.append(item)
+            budget -= live_bytes
+        if chosen:
+            compacted, freed, dead, refused = self._compact(job_id, chosen)
             chunks, chunk_bytes = chunks + dead, chunk_bytes + freed
             skipped.extend(refused)
         return PruneResult(doomed, chunks, chunk_bytes, tmp_entries, tmp_bytes, skipped=tuple(skipped),
@@ -724,7 +771,7 @@ class CheckpointStore:
         """Copy the live chunks of mostly dead packs into one new pack, verified on the way, then remove
         the old packs. Returns (packs compacted, bytes freed, dead chunks dropped, packs left alone)."""
         folder, tmp = self.packs_dir(job_id), self.job_dir(job_id) / "tmp" / f"compact-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)  # marks a writer at work: another collection leaves packs alone meanwhile
+        tmp.mkdir(parents=True)  # also marks a writer at work for an older version's collection
         done: list[tuple[Path, int, int]] = []
         refused: list[Skipped] = []
         digests, offsets, lengths = [], [], []
@@ -756,8 +803,10 @@ class CheckpointStore:
             os.replace(tmp / "chunks.pack", folder / f"{name}.pack")
             os.replace(tmp / "chunks.idx", folder / f"{name}.idx")
             _fsync_dir(folder)
-            for idx, _, _ in done:  # the index first: a reader that lists the folder now reads the new one
+            for idx, _, _ in done:  # every index first: a reader that lists the folder reads the new one
                 idx.unlink(missing_ok=True)
+            _fsync_dir(folder)
+            for idx, _, _ in done:
                 idx.with_suffix(".pack").unlink(missing_ok=True)
             _fsync_dir(folder)
         finally:
@@ -800,7 +849,7 @@ class CheckpointWriter:
 
     New chunks go to one pack of the writer's own; chunks the job's packs already hold (as the store's
     index said when the writer began) are referenced where they are. Memory: 20 bytes a chunk for the
-    manifest, about 44 more for each new one, and the job's index (32 bytes a stored chunk).
+    manifest, about 44 more for each new one, and the job's index (about 60 bytes a stored chunk).
     """
 
     def __init__(self, store: CheckpointStore, job_id: str, *, reason: str,
@@ -819,13 +868,20 @@ class CheckpointWriter:
         self._folders: set[str] = set()  # parents of added paths: a file may not also be a folder
         self._state = "open"  # -> "committed" | "aborted"
         self._tmp = self._dir / "tmp" / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._published: list[Path] = []
-        with _store_io(store.root, f"start a checkpoint of job {job_id}"):
-            for sub in ("packs", "manifests"):
-                (self._dir / sub).mkdir(parents=True, exist_ok=True)
-            self._tmp.mkdir(parents=True)
-            # Unbuffered: a full disk must fail the write of a block, inside _store_io, not a later flush.
-            self._pack = open(self._tmp / "chunks.pack", "ab", buffering=0)
+        self._lock: int | None = None
+        try:
+            with _store_io(store.root, f"start a checkpoint of job {job_id}"):
+                for sub in ("packs", "manifests"):
+                    (self._dir / sub).mkdir(parents=True, exist_ok=True)
+                # Held shared until commit or abort: no collection removes a pack this writer relies on.
+                self._lock = store.lock(job_id, exclusive=False)
+                self._tmp.mkdir(parents=True)
+                # Unbuffered: a full disk must fail the write of a block, inside _store_io, not a later flush.
+                self._pack = open(self._tmp / "chunks.pack", "ab", buffering=0)
+        except BaseException:
+            self._unlock()
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
         # Chunks the store already holds: dedup against them, and remember which packs we relied on.
         self._index = store.pack_index(job_id)
         self._used = np.zeros(len(self._index.packs), bool)
@@ -859,15 +915,15 @@ class CheckpointWriter:
                                            "checkpoint (same name, or one is the other's folder)")
         return path
 
-    def _spans(self, path: str, size: int, boundaries: Sequence[int] | None) -> list[tuple[int, int]]:
+    def _spans(self, path: str, size: int, boundaries: Sequence[int] | None) -> tuple[np.ndarray, np.ndarray]:
         try:
-            return chunk_spans(size, boundaries, self.store.max_chunk)
+            _check_boundaries(size, boundaries)
         except InvalidCheckpointRequest as exc:
             raise InvalidCheckpointRequest(f"{path}: {exc}") from None
+        return span_arrays(size, boundaries, self.store.max_chunk)
 
-    def _record(self, path: str, mode: int, size: int, digests: bytearray, lengths: array) -> FileEntry:
-        entry = FileEntry(path, mode, size, bytes(digests),
-                          np.frombuffer(lengths, np.uint32).astype(LENGTHS).tobytes())
+    def _record(self, path: str, mode: int, size: int, digests: bytearray, lengths: np.ndarray) -> FileEntry:
+        entry = FileEntry(path, mode, size, bytes(digests), lengths.astype(LENGTHS).tobytes())
         self.files.append(entry)
         self._paths.add(path)
         self._folders.update("/".join(path.split("/")[:i]) for i in range(1, path.count("/") + 1))
@@ -878,54 +934,58 @@ class CheckpointWriter:
         """Store a regular file as `relpath`; chunks start at each of `boundaries` (sorted offsets)."""
         path = self._check_new_path(relpath)
         try:
-            source = open(source_path, "rb")
+            source = open(source_path, "rb", buffering=0)
         except OSError as exc:
             raise CheckpointError(f"cannot read {source_path} to store it as {path}: {exc}") from exc
         with source:
             info = os.fstat(source.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidCheckpointRequest(f"{source_path} is not a regular file; only files are stored")
-            digests, lengths = bytearray(), array("I")
-            buffer, start = b"", 0  # the file's bytes from offset `start`, read a block at a time
-            batch: list[tuple[int, int]] = []  # the spans in `buffer` not yet stored
-            for offset, length in self._spans(path, info.st_size, boundaries):
-                if offset + length > start + len(buffer):
-                    self._store(buffer, start, batch, digests)
-                    batch = []
-                    buffer = buffer[offset - start:] + source.read(max(READ_BLOCK, length))
-                    start = offset
-                    if offset + length > start + len(buffer):
-                        raise CheckpointError(f"{source_path} shrank while it was being stored; checkpoint "
-                                              "again once its writer has stopped")
-                batch.append((offset, length))
-                lengths.append(length)
-            self._store(buffer, start, batch, digests)
+            offsets, lengths = self._spans(path, info.st_size, boundaries)
+            ends = offsets + lengths
+            digests = bytearray()
+            i = 0
+            while i < len(offsets):
+                # A block from the next chunk on; the chunks that lie wholly in it are stored.
+                start = int(offsets[i])
+                data = os.pread(source.fileno(), max(READ_BLOCK, int(lengths[i])), start)
+                j = int(np.searchsorted(ends, start + len(data), side="right"))
+                if j <= i:
+                    raise CheckpointError(f"{source_path} shrank while it was being stored; checkpoint "
+                                          "again once its writer has stopped")
+                self._store(data, start, offsets[i:j], lengths[i:j], digests)
+                i = j
         return self._record(path, stat.S_IMODE(info.st_mode), info.st_size, digests, lengths)
 
     def add_bytes(self, relpath: str, data: bytes, *, mode: int = 0o644,
                   boundaries: Sequence[int] | None = None) -> FileEntry:
         path = self._check_new_path(relpath)
-        spans = self._spans(path, len(data), boundaries)
+        offsets, lengths = self._spans(path, len(data), boundaries)
         digests = bytearray()
-        self._store(data, 0, spans, digests)
-        return self._record(path, mode & 0o7777, len(data), digests, array("I", (n for _, n in spans)))
+        for i in range(0, len(offsets), 256):
+            self._store(data, 0, offsets[i:i + 256], lengths[i:i + 256], digests)
+        return self._record(path, mode & 0o7777, len(data), digests, lengths)
 
-    def _store(self, buffer: bytes, start: int, spans: list[tuple[int, int]], digests: bytearray) -> None:
-        """Hash the chunks at `spans` of `buffer` (which begins at file offset `start`), append their
+    def _store(self, buffer: bytes, start: int, offsets: np.ndarray, lengths: np.ndarray,
+               digests: bytearray) -> None:
+        """Hash the chunks at `offsets` of `buffer` (which begins at file offset `start`), append their
         digests to `digests`, and add the ones the store lacks to this writer's pack."""
-        if not spans:
+        if not len(offsets):
             return
         view = memoryview(buffer)
-        hashed = [xxhash.xxh3_128_digest(view[o - start:o - start + n]) for o, n in spans]
+        spans = list(zip((offsets - start).tolist(), lengths.tolist(), strict=True))
+        hashed = [xxhash.xxh3_128_digest(view[o:o + n]) for o, n in spans]
         joined = b"".join(hashed)
         digests += joined
         found = self._index.find(np.frombuffer(joined, DIGEST))
-        known = found >= 0
+        # Stored already only where the index has it at its length (a damaged index could say another).
+        known = (found >= 0) & (self._index.length[np.maximum(found, 0)] == lengths) if len(self._index) \
+            else np.zeros(len(found), bool)
         self._used[self._index.pack[found[known]]] = True
         fresh = np.flatnonzero(~known)
         if not fresh.size:
             return
-        seen = self._seen.in_sorted(np.frombuffer(joined, DIGEST)[fresh])
+        seen = self._seen.contains(np.frombuffer(joined, DIGEST)[fresh])
         try:
             with _store_io(self.store.root, f"store chunks of job {self.job_id}"):
                 for i, old in zip(fresh.tolist(), seen.tolist(), strict=True):
@@ -937,7 +997,7 @@ class CheckpointWriter:
                     self._new_digests += digest
                     self._new_offsets.append(self._pack_offset)
                     self._new_lengths.append(length)
-                    self._pack_buffer += view[offset - start:offset - start + length]
+                    self._pack_buffer += view[offset:offset + length]
                     self._pack_offset += length
                     self._new_bytes += length
                     if len(self._pack_buffer) >= PACK_WRITE_BLOCK:
@@ -971,9 +1031,7 @@ class CheckpointWriter:
                              np.frombuffer(self._new_lengths, np.uint32))
         _write_durably(self._tmp / "chunks.idx", index)
         os.replace(self._tmp / "chunks.pack", packs / f"{name}.pack")
-        self._published.append(packs / f"{name}.pack")
         os.replace(self._tmp / "chunks.idx", packs / f"{name}.idx")
-        self._published.append(packs / f"{name}.idx")
         _fsync_dir(packs)
 
     def _check_packs_kept(self) -> None:
@@ -1009,13 +1067,13 @@ class CheckpointWriter:
                                            "add its files before commit")
         try:
             with _store_io(self.store.root, f"commit a checkpoint of job {self.job_id}"):
-                self._publish_pack()
                 fence, mine = self.store.read_fence(self.job_id), self.meta.get("restart")
                 if fence is not None and isinstance(mine, int) and mine < fence.restart:
                     raise CheckpointConflict(
                         f"job {self.job_id} was restarted (restart {fence.restart}) since this checkpoint "
                         f"of restart {mine} began; it is not committed")
                 self._check_packs_kept()
+                self._publish_pack()
                 for folder in (self._dir, self._dir.parent):
                     _fsync_dir(folder)
                 manifest = self._link_manifest()
@@ -1023,7 +1081,13 @@ class CheckpointWriter:
             if self._state == "open":
                 self.abort()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        self._unlock()
         return manifest
+
+    def _unlock(self) -> None:
+        if self._lock is not None and self._lock >= 0:
+            os.close(self._lock)
+        self._lock = None
 
     def _link_manifest(self) -> Manifest:
         folder, created_at = self._dir / "manifests", self.store.clock()
@@ -1049,6 +1113,13 @@ class CheckpointWriter:
                 continue
             self._state = "committed"
             tmp.unlink()
+            # For an older version reading the folder during a rolling upgrade: a JSON manifest of a
+            # newer format, which it neither restores, nor reuses the number of, nor collects under.
+            try:
+                with open(folder / f"{seq:08d}.json", "x") as stub:
+                    stub.write(json.dumps({"format": FORMAT_VERSION, "manifest": f"{seq:08d}.mf"}) + "\n")
+            except OSError:
+                pass  # an older writer took the name meanwhile, or no room for it: the .mf stands
             _fsync_dir(folder)
             return manifest
 
@@ -1062,7 +1133,6 @@ class CheckpointWriter:
         except OSError:
             pass
         shutil.rmtree(self._tmp, ignore_errors=True)
-        # A pack published by a commit that then failed: no checkpoint uses it. A writer that began
-        # since and deduplicated against it finds it gone at its own commit and fails there.
-        for path in self._published:
-            path.unlink(missing_ok=True)
+        # A pack published by a commit that then failed is left to garbage collection: a writer that
+        # began since may have deduplicated against it.
+        self._unlock()

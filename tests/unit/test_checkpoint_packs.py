@@ -41,7 +41,12 @@ def test_a_checkpoint_is_one_pack_and_one_index_and_restores_byte_identical(stor
     packs = sorted(p.name.rsplit(".", 1)[1] for p in store.packs_dir(7).iterdir())
     assert packs == ["idx", "pack"]
     assert not (store.job_dir(7) / "chunks").exists()  # no chunk is a file of its own
-    assert [p.suffix for p in (store.job_dir(7) / "manifests").iterdir()] == [".mf"]
+    assert sorted(p.name for p in (store.job_dir(7) / "manifests").iterdir()) == ["00000001.json",
+                                                                                "00000001.mf"]
+    # the .json is for an older version during an upgrade: a manifest of a format it does not read
+    stub = json.loads((store.job_dir(7) / "manifests/00000001.json").read_text())
+    assert stub == {"format": 2, "manifest": "00000001.mf"}
+    assert store.manifest_path(7, 1).name == "00000001.mf"
     assert manifest.new_bytes == len(memory) + 4
     store.restore(manifest, tmp_path / "out")
     assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
@@ -313,14 +318,39 @@ def test_a_corrupt_chunk_keeps_its_pack_out_of_compaction(store):
     assert pack.exists()
 
 
-def test_a_writer_that_deduplicated_against_a_pack_compacted_meanwhile_commits(store, tmp_path):
+def two_checkpoints_whose_first_pack_is_mostly_dead(store) -> bytearray:
     memory = pages(16, 19)
     commit(store, {"images/pages-1.img": memory})
     memory[: 12 * PAGE] = pages(12, 20)
     commit(store, {"images/pages-1.img": memory})
+    return memory
+
+
+def test_no_collection_runs_while_a_checkpoint_is_written_from_the_packs(store, tmp_path):
+    memory = two_checkpoints_whose_first_pack_is_mostly_dead(store)
+    packs = sorted(store.packs_dir(7).iterdir())
     with store.begin(7, reason="periodic") as writer:
         writer.add_bytes("images/pages-1.img", bytes(memory))  # its last 4 pages are in the first pack
-        # a collection by another agent that did not see this writer, between its begin and its commit
+        writer._tmp.rename(tmp_path / "hidden")  # the job's lock alone keeps the collection off
+        result = CheckpointStore(store.root, max_chunk=PAGE).drop(7, [1])
+        (tmp_path / "hidden").rename(writer._tmp)
+        manifest = writer.commit()
+
+    assert (result.chunk_gc_deferred, result.packs_compacted) == (True, 0)
+    assert sorted(store.packs_dir(7).iterdir()) == packs  # nothing new stored, nothing removed
+    store.restore(manifest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
+    assert store.prune(7, keep=1).packs_compacted == 1  # once the writer is done
+
+
+def test_a_writer_whose_pack_an_unlocked_collection_compacted_commits_from_the_new_pack(store, tmp_path):
+    import fcntl
+
+    memory = two_checkpoints_whose_first_pack_is_mostly_dead(store)
+    with store.begin(7, reason="periodic") as writer:
+        writer.add_bytes("images/pages-1.img", bytes(memory))
+        # a collection that takes no lock and did not see the writer (an older version's)
+        fcntl.flock(writer._lock, fcntl.LOCK_UN)
         writer._tmp.rename(tmp_path / "hidden")
         assert CheckpointStore(store.root, max_chunk=PAGE).drop(7, [1]).packs_compacted == 1
         (tmp_path / "hidden").rename(writer._tmp)
@@ -330,19 +360,33 @@ def test_a_writer_that_deduplicated_against_a_pack_compacted_meanwhile_commits(s
     assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
 
 
-def test_a_restore_whose_pack_is_compacted_under_it_reads_the_new_pack(store, tmp_path, monkeypatch):
-    memory = pages(16, 21)
-    commit(store, {"images/pages-1.img": memory})
-    memory[: 12 * PAGE] = pages(12, 22)
-    second = commit(store, {"images/pages-1.img": memory})
-    stale = store.pack_index(7)
-    store.drop(7, [1])  # compacts the first pack into a new one
-    monkeypatch.setattr(store, "pack_index", lambda job, real=store.pack_index: (
-        monkeypatch.setattr(store, "pack_index", real) or stale))
+def test_no_collection_runs_while_a_checkpoint_is_restored(store, tmp_path):
+    two_checkpoints_whose_first_pack_is_mostly_dead(store)
+    packs = sorted(store.packs_dir(7).iterdir())
+    with store.job_lock(7, exclusive=False):  # what verify and restore hold while they read
+        result = store.drop(7, [1])
+        assert sorted(store.packs_dir(7).iterdir()) == packs
+    assert (result.manifests_deleted, result.chunk_gc_deferred) == ((1,), True)
+    assert store.collect_garbage(7).packs_compacted == 1
 
-    store.restore(second, tmp_path / "out")
 
-    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
+def test_the_writers_own_new_digests_are_found_across_merges():
+    from singularity_slurm.checkpoint.packs import DIGEST, DigestSet
+
+    seen, every = DigestSet(), []
+    seen.MERGE_AT = 3
+    rng = random.Random(5)
+    for _ in range(200):
+        digest = rng.randbytes(16)
+        assert not seen.contains(np.frombuffer(digest, DIGEST))[0] and digest not in seen.recent
+        seen.add(digest)
+        every.append(digest)
+        seen.settle()
+    assert len(seen) == 200
+    sizes = [len(level) for level in seen.levels]
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) <= 8  # few arrays, the largest first
+    stored = np.frombuffer(b"".join(every), DIGEST)
+    assert (seen.contains(stored) | np.array([d in seen.recent for d in every])).all()
 
 
 def test_a_pack_cut_short_while_a_restore_reads_it_names_the_chunk_it_cut(store, tmp_path, monkeypatch):
