@@ -222,6 +222,9 @@ def _from_json(data: bytes, refuse, job_id: str | None, seq: int | None, where: 
         raise refuse(f"holds a JSON {type(doc).__name__}, not an object")
     if isinstance(doc.get("format"), int) and doc["format"] > FORMAT_VERSION:
         raise _newer(doc["format"], job_id, seq, where)
+    if is_claim(doc):
+        raise refuse(f"only claims its number for {doc['manifest']}, which is not there: its commit was "
+                     "cut short")
     if doc.get("format") != 1:
         raise refuse(f"is JSON with format version {doc.get('format')!r}; JSON manifests are format 1")
     try:
@@ -236,6 +239,11 @@ def _from_json(data: bytes, refuse, job_id: str | None, seq: int | None, where: 
         return _manifest(doc, files, version=1)
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise refuse(f"is malformed: {exc!s:.200}") from exc
+
+
+def is_claim(doc: Any) -> bool:
+    """Whether a JSON document is the stub a format 2 commit claims its number with."""
+    return isinstance(doc, dict) and set(doc) == {"format", "manifest"} and doc["format"] == FORMAT_VERSION
 
 
 def _pairs(raw: list[Any], path: str) -> tuple[list[str], list[int]]:

@@ -108,26 +108,42 @@ class PackIndex:
         sizes = [len(part) for part in parts]
         entries = np.concatenate(parts) if parts else np.empty(0, ENTRY)
         numbers = np.repeat(np.arange(len(parts), dtype=np.uint32), sizes)
-        order = np.argsort(entries["digest"], kind="stable")  # a chunk in two packs: the first pack's
-        digests = entries["digest"][order]
-        first = np.ones(len(digests), bool)
-        first[1:] = digests[1:] != digests[:-1]
-        keep = order[first]
-        self.digests = entries["digest"][keep]
-        self.pack = numbers[keep]
-        self.offset = entries["offset"][keep]
-        self.length = entries["length"][keep]
+        # A chunk in several packs keeps every copy, in pack order: a lookup by length finds the copy
+        # whose length matches (a damaged index may give one copy a wrong length), and collection
+        # knows which chunks another pack also holds.
+        order = np.argsort(entries["digest"], kind="stable")
+        self.digests = entries["digest"][order]
+        self.pack = numbers[order]
+        self.offset = entries["offset"][order]
+        self.length = entries["length"][order]
 
     def __len__(self) -> int:
         return len(self.digests)
 
-    def find(self, digests: np.ndarray) -> np.ndarray:
-        """The position of each digest in this index (int64), -1 where the job has no such chunk."""
+    def find(self, digests: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
+        """The position in this index (int64) of each digest's first copy, or with `lengths` of its
+        first copy of that length; -1 where the job has no such chunk."""
         if not len(self.digests):
             return np.full(len(digests), -1, np.int64)
-        at = np.searchsorted(self.digests, digests)
-        clipped = np.minimum(at, len(self.digests) - 1)
-        return np.where(self.digests[clipped] == digests, clipped, -1).astype(np.int64)
+        at = np.minimum(np.searchsorted(self.digests, digests), len(self.digests) - 1).astype(np.int64)
+        hit = self.digests[at] == digests
+        if lengths is not None:
+            match = hit & (self.length[at] == lengths)
+            for i in np.flatnonzero(hit & ~match).tolist():  # another copy may have the right length
+                k = int(at[i]) + 1
+                while k < len(self.digests) and self.digests[k] == digests[i]:
+                    if self.length[k] == lengths[i]:
+                        at[i], match[i] = k, True
+                        break
+                    k += 1
+            hit = match
+        return np.where(hit, at, -1)
+
+    def copies(self, position: int) -> range:
+        """The positions of every copy of the chunk at `position`."""
+        digest = self.digests[position : position + 1]
+        return range(int(np.searchsorted(self.digests, digest, side="left")[0]),
+                     int(np.searchsorted(self.digests, digest, side="right")[0]))
 
     def get(self, digest: bytes) -> tuple[Path, int, int] | None:
         """Where one chunk is: (pack, offset, length), or None."""

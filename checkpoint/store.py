@@ -55,6 +55,7 @@ from singularity_slurm.checkpoint.manifest import (
     FileEntry,
     Manifest,
     check_relpath,
+    is_claim,
     job_key,
 )
 from singularity_slurm.checkpoint.packs import DigestSet, PackIndex, encode_index, read_pack_index, stat_key
@@ -352,7 +353,7 @@ class CheckpointStore:
         try:
             doc = json.loads((self.job_dir(job_id) / FENCE).read_bytes())
             return Fence(_int(doc["restart"], "restart"), _int(doc["seq"], "seq"))
-        except (OSError, ValueError, TypeError, KeyError):
+        except (OSError, ValueError, TypeError, KeyError, RecursionError):
             return None
 
     def raise_fence(self, job_id: int | str, restart: int) -> Fence:
@@ -397,6 +398,11 @@ class CheckpointStore:
         except BlockingIOError:
             os.close(fd)
             return None
+        except OSError as exc:
+            os.close(fd)
+            raise CheckpointError(
+                f"the checkpoint store {self.root} does not support file locks ({exc}): mount it with "
+                "locking across nodes (NFSv4, Lustre with -o flock, GPFS, CephFS)") from exc
         return fd
 
     @contextmanager
@@ -455,7 +461,7 @@ class CheckpointStore:
         digests, lengths = entry.digest_array(), entry.length_array().astype(np.int64)
         if not len(digests):
             return
-        at = index.find(digests)
+        at = index.find(digests, lengths)
         offsets = _offsets(lengths)
 
         def refuse(i: int, problem: str) -> CorruptCheckpoint:
@@ -466,14 +472,14 @@ class CheckpointStore:
 
         missing = np.flatnonzero(at < 0)
         if missing.size:
-            raise refuse(int(missing[0]), f"is missing from {self.packs_dir(manifest.job_id)}"
-                                          f"{self._missing_hint(manifest.job_id)}")
+            i = int(missing[0])
+            other = int(index.find(digests[i:i + 1])[0])
+            if other >= 0:  # a copy of another length only
+                raise refuse(i, f"is corrupt: its pack {index.packs[int(index.pack[other])].name} holds "
+                                f"{int(index.length[other])} bytes for it instead of {lengths[i]}")
+            raise refuse(i, f"is missing from {self.packs_dir(manifest.job_id)}"
+                            f"{self._missing_hint(manifest.job_id)}")
         packs, starts = index.pack[at], index.offset[at].astype(np.int64)
-        wrong = np.flatnonzero(index.length[at] != lengths)
-        if wrong.size:
-            i = int(wrong[0])
-            raise refuse(i, f"is corrupt: its pack {index.packs[packs[i]].name} holds "
-                            f"{int(index.length[at[i]])} bytes for it instead of {lengths[i]}")
         # A run: chunks lying back to back in the same pack; read RESTORE_READ bytes of it at most at once.
         run_ends = np.append(np.flatnonzero((packs[1:] != packs[:-1])
                                             | (starts[1:] != starts[:-1] + lengths[:-1])) + 1, len(at))
@@ -660,6 +666,26 @@ class CheckpointStore:
         parts = [entry.digest_array() for m in manifests for entry in m.files]
         return np.unique(np.concatenate(parts)) if parts else np.empty(0, DIGEST), skipped, newer
 
+    def _drop_cut_claims(self, job_id: int | str, grace_s: float) -> None:
+        """Remove the number claims of commits cut short (a stub without its manifest) once they are
+        older than the grace time."""
+        folder = self.job_dir(job_id) / "manifests"
+        try:
+            names = set(os.listdir(folder))
+        except FileNotFoundError:
+            return
+        for name in sorted(names):
+            if not name.endswith(".json") or name[:-5] + ".mf" in names:
+                continue
+            path = folder / name
+            try:
+                if self.clock() - path.stat().st_mtime < grace_s or path.stat().st_size > 256:
+                    continue
+                if is_claim(json.loads(path.read_bytes())):
+                    path.unlink()
+            except (OSError, ValueError, RecursionError):
+                continue
+
     def _active_writers(self, job_id: int | str, grace_s: float) -> list[Path]:
         """Writer folders in tmp/ young enough to belong to a live writer."""
         return [entry for entry, age in self._tmp_entries(job_id) if entry.is_dir() and age < grace_s]
@@ -675,46 +701,70 @@ class CheckpointStore:
         return entries
 
     def _collect(self, job_id: int | str, doomed: tuple[int, ...], grace_s: float) -> PruneResult:
-        tmp_entries = tmp_bytes = 0
-        for entry, age in self._tmp_entries(job_id):
-            if age >= grace_s:
-                tmp_bytes += _tree_bytes(entry)
-                if entry.is_dir():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    entry.unlink(missing_ok=True)
-                tmp_entries += 1
+        # The manifests are read before the lock is taken (a big job's take seconds), and under it
+        # only those committed since: writers and restores wait for as short a time as it can be.
+        read_before = set(self.seqs(job_id))
+        referenced, skipped, newer = self._referenced(job_id)
         lock = self.lock(job_id, exclusive=True, wait=False)
-        if lock is None:  # a checkpoint is being written or restored: its packs stay
-            return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True)
+        if lock is None:  # a checkpoint is being written or restored: its packs and tmp folder stay
+            return PruneResult(doomed, 0, 0, 0, 0, chunk_gc_deferred=True)
         try:
-            return self._collect_locked(job_id, doomed, grace_s, tmp_entries, tmp_bytes)
+            tmp_entries = tmp_bytes = 0
+            for entry, age in self._tmp_entries(job_id):
+                if age >= grace_s:
+                    tmp_bytes += _tree_bytes(entry)
+                    if entry.is_dir():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+                    tmp_entries += 1
+            # Where a writer takes no lock (an older version's), the order matters: packs listed first,
+            # writers checked next, manifests read last. A writer that commits after the check started
+            # after it too, so its pack is not in our listing.
+            folder = self.packs_dir(job_id)
+            listed = sorted(folder.iterdir()) if folder.is_dir() else []
+            if self._active_writers(job_id, grace_s):
+                return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True)
+            self._drop_cut_claims(job_id, grace_s)
+            fresh = [seq for seq in self.seqs(job_id) if seq not in read_before]
+            for seq in fresh:
+                try:
+                    manifest = self.read(job_id, seq)
+                except NoCheckpoint:
+                    continue
+                except CorruptCheckpoint as exc:
+                    where = self.manifest_path(job_id, seq)
+                    skipped.append(Skipped(f"checkpoint {seq} ({where})", exc.detail))
+                    newer = newer or isinstance(exc, NewerCheckpointFormat)
+                    continue
+                referenced = np.union1d(referenced, np.concatenate(
+                    [entry.digest_array() for entry in manifest.files] or [np.empty(0, DIGEST)]))
+            if newer:
+                return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True,
+                                   skipped=tuple(skipped))
+            freed, dropped, compacted = self._collect_packs(job_id, listed, referenced, grace_s, skipped)
+            return PruneResult(doomed, dropped, freed, tmp_entries, tmp_bytes, skipped=tuple(skipped),
+                               packs_compacted=compacted)
         finally:
             if lock >= 0:
                 os.close(lock)
 
-    def _collect_locked(self, job_id: int | str, doomed: tuple[int, ...], grace_s: float, tmp_entries: int,
-                        tmp_bytes: int) -> PruneResult:
-        # The order matters where a writer takes no lock (an older version's): packs listed first,
-        # writers checked next, manifests read last. A writer that commits after the check started
-        # after it too, so its pack is not in our listing.
-        folder = self.packs_dir(job_id)
-        listed = sorted(folder.iterdir()) if folder.is_dir() else []
-        if self._active_writers(job_id, grace_s):
-            return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True)
-        referenced, skipped, newer = self._referenced(job_id)
-        if newer:
-            return PruneResult(doomed, 0, 0, tmp_entries, tmp_bytes, chunk_gc_deferred=True,
-                               skipped=tuple(skipped))
-        chunks = chunk_bytes = 0
-        sparse: list[tuple[Path, np.ndarray, int, int]] = []
+    def _collect_packs(self, job_id: int | str, listed: list[Path], referenced: np.ndarray, grace_s: float,
+                       skipped: list[Skipped]) -> tuple[int, int, int]:
+        """Remove the packs no kept checkpoint needs, and compact the mostly dead ones; returns
+        (bytes freed, chunks dropped, packs compacted). A pack is needed for the referenced chunks
+        that no other pack kept holds; a pack whose needed chunks are under COMPACT_BELOW of its
+        bytes has them copied into a new pack (at most COMPACT_MAX_BYTES a collection, the sparsest
+        packs first; what is left is copied by the next) and goes once all of them are."""
         names = {path.name for path in listed}
+        freed = 0
+        sources, parts, sizes = [], [], []
         for path in listed:
             if path.suffix == ".pack" and path.with_suffix(".idx").name not in names:
                 # A pack whose index was never published (its writer died between the two renames).
                 try:
                     if self.clock() - path.stat().st_mtime >= grace_s:
-                        chunk_bytes += path.stat().st_size
+                        freed += path.stat().st_size
                         path.unlink()
                 except FileNotFoundError:
                     pass
@@ -737,91 +787,102 @@ class CheckpointStore:
             except (OSError, ValueError) as exc:
                 skipped.append(Skipped(f"pack index {path}", str(exc)))  # left for whoever inspects it
                 continue
-            # A pack goes once no kept checkpoint uses any of its chunks; a mostly dead one is compacted.
-            live = _members(entries["digest"], referenced)
-            if live.any():
-                size = _size(pack) or 0
-                if int(entries["length"][live].sum(dtype=np.uint64)) < COMPACT_BELOW * size:
-                    sparse.append((path, entries[live], size, len(entries) - int(live.sum())))
-                continue
-            size = _size(pack) or 0
-            path.unlink(missing_ok=True)  # the index first: a pack without one is never read
-            pack.unlink(missing_ok=True)
-            chunks, chunk_bytes = chunks + len(entries), chunk_bytes + size
-        compacted = 0
-        # At most COMPACT_MAX_BYTES of live chunks copied per collection (the sparsest packs first):
-        # writers and restores wait for a collection, and what is left is compacted by the next.
-        sparse.sort(key=lambda item: int(item[1]["length"].sum(dtype=np.uint64)) / max(item[2], 1))
-        budget, chosen = COMPACT_MAX_BYTES, []
-        for item in sparse:
-            live_bytes = int(item[1]["length"].sum(dtype=np.uint64))
-            if chosen and live_bytes > budget:
-                break
-            chosen.append(item)
-            budget -= live_bytes
-        if chosen:
-            compacted, freed, dead, refused = self._compact(job_id, chosen)
-            chunks, chunk_bytes = chunks + dead, chunk_bytes + freed
-            skipped.extend(refused)
-        return PruneResult(doomed, chunks, chunk_bytes, tmp_entries, tmp_bytes, skipped=tuple(skipped),
-                           packs_compacted=compacted)
+            sources.append((path, ()))
+            parts.append(entries)
+            sizes.append(_size(pack) or 0)
+        index = PackIndex(sources, parts)
+        # needed: the index's entries that are a referenced chunk's only copy; a chunk with several
+        # copies is needed from the last of its packs whose fate is decided
+        live = _members(index.digests, referenced)
+        first = np.searchsorted(index.digests, index.digests, side="left")
+        after = np.searchsorted(index.digests, index.digests, side="right")
+        needed = live & (after - first == 1)
+        shared = live & (after - first > 1)
+        by_pack = np.argsort(index.pack, kind="stable")
+        bounds = np.searchsorted(index.pack[by_pack], np.arange(len(parts) + 1))
+        alone = np.bincount(index.pack[needed], weights=index.length[needed], minlength=len(parts))
+        gone: set[int] = set()
+        budget, plan = COMPACT_MAX_BYTES, []
+        for number in sorted(range(len(parts)), key=lambda p: alone[p] / max(sizes[p], 1)):  # sparsest first
+            mine = by_pack[bounds[number]:bounds[number + 1]]
+            for k in mine[shared[mine]].tolist():
+                others = {int(p) for p in index.pack[int(first[k]):int(after[k])]} - {number}
+                if others <= gone:  # every other copy goes: this one is needed
+                    needed[k] = True
+            need = mine[needed[mine]]
+            need_bytes = int(index.length[need].sum(dtype=np.uint64))
+            if not need.size:
+                gone.add(number)
+            elif need_bytes < COMPACT_BELOW * sizes[number] and need_bytes <= budget:
+                plan.append((number, need))
+                budget -= need_bytes
+                gone.add(number)
+        copied, refused = self._compact(job_id, index, plan) if plan else ({}, [])
+        skipped.extend(refused)
+        planned = {number for number, _ in plan}
+        deleting = sorted(n for n in gone if n not in planned or n in copied)  # a failed copy's pack stays
+        for number in deleting:  # every index first: a pack without one is never read
+            index.packs[number].with_suffix(".idx").unlink(missing_ok=True)
+        if deleting:
+            _fsync_dir(self.packs_dir(job_id))
+        for number in deleting:
+            index.packs[number].unlink(missing_ok=True)
+        freed += sum(sizes[n] for n in deleting) - sum(size for size, _ in copied.values())
+        dropped = sum(len(parts[n]) for n in deleting) - sum(count for _, count in copied.values())
+        return freed, dropped, len(copied)
 
-    def _compact(self, job_id: int | str, sparse: list[tuple[Path, np.ndarray, int, int]],
-                 ) -> tuple[int, int, int, list[Skipped]]:
-        """Copy the live chunks of mostly dead packs into one new pack, verified on the way, then remove
-        the old packs. Returns (packs compacted, bytes freed, dead chunks dropped, packs left alone)."""
+    def _compact(self, job_id: int | str, index: PackIndex, plan: list[tuple[int, np.ndarray]],
+                 ) -> tuple[dict[int, tuple[int, int]], list[Skipped]]:
+        """Copy the chunks `plan` names (pack number, index positions) into one new pack, each
+        verified on the way, and publish it. Returns {pack number: (bytes, chunks) copied} for the
+        packs whose chunks were all copied, and those left alone."""
         folder, tmp = self.packs_dir(job_id), self.job_dir(job_id) / "tmp" / f"compact-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)  # also marks a writer at work for an older version's collection
-        done: list[tuple[Path, int, int]] = []
+        done: dict[int, tuple[int, int]] = {}
         refused: list[Skipped] = []
         digests, offsets, lengths = [], [], []
         try:
             with open(tmp / "chunks.pack", "xb") as out:
-                for idx, live, size, dead in sparse:
-                    live = live[np.argsort(live["offset"], kind="stable")]
+                for number, need in plan:
+                    need = need[np.argsort(index.offset[need], kind="stable")]
                     start = out.tell()
+                    pack = index.packs[number]
                     try:
-                        for data in self._live_chunks(idx.with_suffix(".pack"), live):
+                        for data in self._live_chunks(pack, index, need):
                             out.write(data)
                     except (OSError, ValueError) as exc:
                         out.seek(start)
                         out.truncate()
-                        refused.append(Skipped(f"pack {idx.with_suffix('.pack')}",
-                                               f"was not compacted: {exc}"))
+                        refused.append(Skipped(f"pack {pack}", f"was not compacted: {exc}"))
                         continue
-                    digests.append(live["digest"])
-                    offsets.append(np.cumsum(live["length"], dtype=np.uint64) - live["length"] + start)
-                    lengths.append(live["length"])
-                    done.append((idx, size - (out.tell() - start), dead))
+                    digests.append(index.digests[need])
+                    ends = np.cumsum(index.length[need], dtype=np.uint64)
+                    offsets.append(ends - index.length[need] + start)
+                    lengths.append(index.length[need])
+                    done[number] = (out.tell() - start, len(need))
                 if not done:
-                    return 0, 0, 0, refused
+                    return {}, refused
                 out.flush()
                 os.fsync(out.fileno())
             _write_durably(tmp / "chunks.idx", encode_index(np.concatenate(digests), np.concatenate(offsets),
                                                             np.concatenate(lengths)))
-            name = tmp.name
-            os.replace(tmp / "chunks.pack", folder / f"{name}.pack")
-            os.replace(tmp / "chunks.idx", folder / f"{name}.idx")
-            _fsync_dir(folder)
-            for idx, _, _ in done:  # every index first: a reader that lists the folder reads the new one
-                idx.unlink(missing_ok=True)
-            _fsync_dir(folder)
-            for idx, _, _ in done:
-                idx.with_suffix(".pack").unlink(missing_ok=True)
+            os.replace(tmp / "chunks.pack", folder / f"{tmp.name}.pack")
+            os.replace(tmp / "chunks.idx", folder / f"{tmp.name}.idx")
             _fsync_dir(folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return len(done), sum(f for _, f, _ in done), sum(d for _, _, d in done), refused
+        return done, refused
 
     @staticmethod
-    def _live_chunks(pack: Path, live: np.ndarray) -> Iterator[bytes]:
-        """The bytes of `live` entries (sorted by offset) of one pack, each checked against its digest."""
+    def _live_chunks(pack: Path, index: PackIndex, need: np.ndarray) -> Iterator[bytes]:
+        """The bytes of the index's entries `need` (sorted by offset, all in `pack`), each checked
+        against its digest."""
         with open(pack, "rb", buffering=0) as source:
             fd = source.fileno()
-            for entry in live:
-                data = os.pread(fd, int(entry["length"]), int(entry["offset"]))
-                if xxhash.xxh3_128_digest(data) != entry["digest"].tobytes():
-                    raise ValueError(f"its chunk {entry['digest'].tobytes().hex()} does not match its hash")
+            for k in need.tolist():
+                data = os.pread(fd, int(index.length[k]), int(index.offset[k]))
+                if xxhash.xxh3_128_digest(data) != index.digests[k].tobytes():
+                    raise ValueError(f"its chunk {index.digests[k].tobytes().hex()} does not match its hash")
                 yield data
 
     def delete_job(self, job_id: int | str) -> int:
@@ -869,6 +930,7 @@ class CheckpointWriter:
         self._state = "open"  # -> "committed" | "aborted"
         self._tmp = self._dir / "tmp" / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock: int | None = None
+        self._pack = None
         try:
             with _store_io(store.root, f"start a checkpoint of job {job_id}"):
                 for sub in ("packs", "manifests"):
@@ -878,12 +940,14 @@ class CheckpointWriter:
                 self._tmp.mkdir(parents=True)
                 # Unbuffered: a full disk must fail the write of a block, inside _store_io, not a later flush.
                 self._pack = open(self._tmp / "chunks.pack", "ab", buffering=0)
+            # Chunks the store already holds: dedup against them, and remember which packs we relied on.
+            self._index = store.pack_index(job_id)
         except BaseException:
+            if self._pack is not None:
+                self._pack.close()
             self._unlock()
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
-        # Chunks the store already holds: dedup against them, and remember which packs we relied on.
-        self._index = store.pack_index(job_id)
         self._used = np.zeros(len(self._index.packs), bool)
         self._seen = DigestSet()  # this writer's new chunks
         self._new_digests = bytearray()
@@ -977,10 +1041,9 @@ class CheckpointWriter:
         hashed = [xxhash.xxh3_128_digest(view[o:o + n]) for o, n in spans]
         joined = b"".join(hashed)
         digests += joined
-        found = self._index.find(np.frombuffer(joined, DIGEST))
         # Stored already only where the index has it at its length (a damaged index could say another).
-        known = (found >= 0) & (self._index.length[np.maximum(found, 0)] == lengths) if len(self._index) \
-            else np.zeros(len(found), bool)
+        found = self._index.find(np.frombuffer(joined, DIGEST), lengths)
+        known = found >= 0
         self._used[self._index.pack[found[known]]] = True
         fresh = np.flatnonzero(~known)
         if not fresh.size:
@@ -1051,9 +1114,11 @@ class CheckpointWriter:
         now = self.store.pack_index(self.job_id)
         for entry in self.files:
             digests = entry.digest_array()
-            at = self._index.find(digests)
-            relied = digests[(at >= 0) & np.isin(self._index.pack[np.maximum(at, 0)], gone)]
-            lost = np.flatnonzero(now.find(relied) < 0)
+            lengths = entry.length_array()
+            at = self._index.find(digests, lengths)
+            relying = (at >= 0) & np.isin(self._index.pack[np.maximum(at, 0)], gone)
+            relied = digests[relying]
+            lost = np.flatnonzero(now.find(relied, lengths[relying]) < 0)
             if lost.size:
                 raise CheckpointConflict(
                     f"chunk {relied[lost[0]].tobytes().hex()} of {entry.path} vanished while job "
@@ -1080,8 +1145,9 @@ class CheckpointWriter:
         finally:
             if self._state == "open":
                 self.abort()
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._unlock()
+            else:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._unlock()
         return manifest
 
     def _unlock(self) -> None:
@@ -1099,27 +1165,29 @@ class CheckpointWriter:
                 files=tuple(self.files), logical_bytes=sum(f.size for f in self.files),
                 new_bytes=self._new_bytes,
             )
-            tmp = self._tmp / f"manifest-{seq:08d}.mf"
-            _write_durably(tmp, manifest.to_bytes())
+            # The number is claimed with a JSON stub of format 2, linked first (link, unlike rename,
+            # fails where the name exists): a concurrent writer that took it keeps it, and we take the
+            # next one. An older version claims numbers the same way and reads the stub as a manifest
+            # of a newer format, which it neither restores nor collects under.
+            stub = self._tmp / f"manifest-{seq:08d}.json"
+            _write_durably(stub, (json.dumps({"format": FORMAT_VERSION, "manifest": f"{seq:08d}.mf"}) + "\n")
+                           .encode())
             try:
-                # link, unlike rename, fails if the name exists: a concurrent writer that took this
-                # sequence number keeps its manifest, and we take the next one.
-                if (folder / f"{seq:08d}.json").exists():
-                    raise FileExistsError
-                os.link(tmp, folder / f"{seq:08d}.mf")
+                os.link(stub, folder / f"{seq:08d}.json")
             except FileExistsError:
-                tmp.unlink()
+                stub.unlink()
                 seq += 1
                 continue
+            stub.unlink()
+            tmp = self._tmp / f"manifest-{seq:08d}.mf"
+            try:
+                _write_durably(tmp, manifest.to_bytes())
+                os.link(tmp, folder / f"{seq:08d}.mf")
+            except BaseException:
+                (folder / f"{seq:08d}.json").unlink(missing_ok=True)  # the claim goes with the commit
+                raise
             self._state = "committed"
             tmp.unlink()
-            # For an older version reading the folder during a rolling upgrade: a JSON manifest of a
-            # newer format, which it neither restores, nor reuses the number of, nor collects under.
-            try:
-                with open(folder / f"{seq:08d}.json", "x") as stub:
-                    stub.write(json.dumps({"format": FORMAT_VERSION, "manifest": f"{seq:08d}.mf"}) + "\n")
-            except OSError:
-                pass  # an older writer took the name meanwhile, or no room for it: the .mf stands
             _fsync_dir(folder)
             return manifest
 

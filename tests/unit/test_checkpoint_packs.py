@@ -6,6 +6,7 @@ import json
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -402,3 +403,101 @@ def test_a_pack_cut_short_while_a_restore_reads_it_names_the_chunk_it_cut(store,
     cut = manifest.files[0].chunks[5].hash
     assert (f"chunk 5 ({cut}, bytes {5 * PAGE}..{6 * PAGE}) of images/pages-1.img is corrupt: it has 100 "
             f"bytes in {pack.name} instead of {PAGE}") in str(info.value)
+
+
+def test_a_chunk_whose_index_gives_a_wrong_length_is_stored_again_and_restores(store, tmp_path):
+    memory = pages(4, 24)
+    commit(store, {"images/pages-1.img": memory})
+    index = newest_index(store)
+    entries = read_pack_index(index, index.with_suffix(".pack").stat().st_size).copy()
+    entries["length"][0] = PAGE - 1  # damaged, yet inside its pack
+    index.write_bytes(INDEX_MAGIC + entries.tobytes())
+
+    second = commit(store, {"images/pages-1.img": memory})
+
+    assert second.new_bytes == PAGE  # that chunk once more, at its length
+    for attempt in range(3):  # whichever copy the index meets first
+        store = CheckpointStore(store.root, max_chunk=PAGE)
+        store.restore(second, tmp_path / f"out-{attempt}")
+        assert (tmp_path / f"out-{attempt}/images/pages-1.img").read_bytes() == bytes(memory)
+
+
+def test_a_number_claimed_by_a_commit_cut_short_is_refused_skipped_and_collected(tmp_path):
+    clock = [time.time()]
+    store = CheckpointStore(tmp_path / "store", max_chunk=PAGE, clock=lambda: clock[0])
+    first = commit(store, {"images/pages-1.img": pages(2, 25)})
+    claim = store.job_dir(7) / "manifests/00000002.json"
+    claim.write_text(json.dumps({"format": 2, "manifest": "00000002.mf"}))  # its .mf never linked
+
+    manifest, refused = store.latest_valid(7)
+    third = commit(store, {"images/pages-1.img": pages(2, 26)})
+
+    assert manifest == first
+    assert refused[0].reason.endswith("only claims its number for 00000002.mf, which is not there: its "
+                                      "commit was cut short")
+    assert (third.seq, store.seqs(7)) == (3, [1, 2, 3])
+    store.collect_garbage(7, tmp_grace_s=60)
+    assert claim.exists()  # a commit may still be under way
+    clock[0] = claim.stat().st_mtime + 61
+    store.collect_garbage(7, tmp_grace_s=60)
+    assert not claim.exists() and store.seqs(7) == [1, 3]
+
+
+def test_a_chunk_two_writers_both_stored_survives_compaction_once(store, tmp_path):
+    shared = pages(2, 27)
+    with store.begin(7, reason="periodic") as a, store.begin(7, reason="periodic") as b:
+        a.add_bytes("images/pages-1.img", bytes(shared + pages(14, 28)))
+        b.add_bytes("images/pages-1.img", bytes(shared + pages(14, 29)))  # neither saw the other's
+        a.commit()
+        b.commit()
+    newest = commit(store, {"images/pages-1.img": shared + pages(2, 30)})
+
+    result = store.drop(7, [1, 2])
+
+    assert result.packs_compacted == 1  # one copy of the shared pages moved, both old packs gone
+    assert store.job_usage(7) == 4 * PAGE
+    store.restore(newest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(shared + pages(2, 30))
+
+
+def test_compaction_copies_at_most_its_budget_per_collection(store, tmp_path, monkeypatch):
+    import singularity_slurm.checkpoint.store as store_module
+
+    monkeypatch.setattr(store_module, "COMPACT_MAX_BYTES", 3 * PAGE)
+    kept = []
+    for seed in range(3):  # three packs of 16 pages, 2 of them still needed in each
+        memory = pages(16, 40 + seed)
+        commit(store, {"images/pages-1.img": memory})
+        kept.append(memory[: 2 * PAGE])
+    newest = commit(store, {"images/pages-1.img": b"".join(kept)})
+    store.drop(7, [1, 2, 3])  # one pack's 2 needed pages fit the budget, not a second's
+
+    counts = [store.collect_garbage(7).packs_compacted for _ in range(3)]
+
+    assert counts == [1, 1, 0]
+    assert store.job_usage(7) == 6 * PAGE
+    store.restore(newest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == b"".join(kept)
+
+
+def test_a_writer_that_cannot_begin_leaves_no_lock_and_no_folder_behind(store, monkeypatch):
+    import os
+
+    commit(store, {"images/pages-1.img": pages(2, 31)})
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(store, "pack_index", lambda job: (_ for _ in ()).throw(OSError("stale handle")))
+    with pytest.raises(OSError):
+        store.begin(7, reason="periodic")
+    monkeypatch.undo()
+
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert list((store.job_dir(7) / "tmp").iterdir()) == []
+    assert store.collect_garbage(7).chunk_gc_deferred is False
+
+
+def test_a_fence_nested_beyond_pythons_depth_fences_nothing(store):
+    commit(store, {"images/pages-1.img": pages(2, 32)})
+    (store.job_dir(7) / "fence.json").write_text("[" * 200000)
+
+    assert store.read_fence(7) is None
+    assert store.latest_valid(7)[0].seq == 1
