@@ -800,14 +800,16 @@ class CheckpointStore:
         shared = live & (after - first > 1)
         by_pack = np.argsort(index.pack, kind="stable")
         bounds = np.searchsorted(index.pack[by_pack], np.arange(len(parts) + 1))
-        alone = np.bincount(index.pack[needed], weights=index.length[needed], minlength=len(parts))
+        live_bytes = np.bincount(index.pack[live], weights=index.length[live], minlength=len(parts))
         gone: set[int] = set()
+        draining: set[int] = set()  # packs whose chunks are being copied out, in part
         budget, plan = COMPACT_MAX_BYTES, []
-        for number in sorted(range(len(parts)), key=lambda p: alone[p] / max(sizes[p], 1)):  # sparsest first
+        # The sparsest first: a dense pack (a compaction's own) is decided last and keeps the copies.
+        for number in sorted(range(len(parts)), key=lambda p: live_bytes[p] / max(sizes[p], 1)):
             mine = by_pack[bounds[number]:bounds[number + 1]]
             for k in mine[shared[mine]].tolist():
                 others = {int(p) for p in index.pack[int(first[k]):int(after[k])]} - {number}
-                if others <= gone:  # every other copy goes: this one is needed
+                if others <= gone | draining:  # every other copy goes: this one is needed
                     needed[k] = True
             need = mine[needed[mine]]
             need_bytes = int(index.length[need].sum(dtype=np.uint64))
@@ -817,6 +819,14 @@ class CheckpointStore:
                 plan.append((number, need))
                 budget -= need_bytes
                 gone.add(number)
+            elif need_bytes < COMPACT_BELOW * sizes[number] and budget > 0:
+                # Too much for this collection: a part now; once copied, this pack no longer holds
+                # the only copy of those chunks, and the next collections copy the rest.
+                part = need[np.cumsum(index.length[need], dtype=np.uint64) <= budget]
+                if part.size:
+                    plan.append((number, part))
+                draining.add(number)
+                budget = 0
         copied, refused = self._compact(job_id, index, plan) if plan else ({}, [])
         skipped.extend(refused)
         planned = {number for number, _ in plan}
@@ -829,7 +839,7 @@ class CheckpointStore:
             index.packs[number].unlink(missing_ok=True)
         freed += sum(sizes[n] for n in deleting) - sum(size for size, _ in copied.values())
         dropped = sum(len(parts[n]) for n in deleting) - sum(count for _, count in copied.values())
-        return freed, dropped, len(copied)
+        return max(freed, 0), max(dropped, 0), len(copied)
 
     def _compact(self, job_id: int | str, index: PackIndex, plan: list[tuple[int, np.ndarray]],
                  ) -> tuple[dict[int, tuple[int, int]], list[Skipped]]:

@@ -470,11 +470,12 @@ def test_compaction_copies_at_most_its_budget_per_collection(store, tmp_path, mo
         commit(store, {"images/pages-1.img": memory})
         kept.append(memory[: 2 * PAGE])
     newest = commit(store, {"images/pages-1.img": b"".join(kept)})
-    store.drop(7, [1, 2, 3])  # one pack's 2 needed pages fit the budget, not a second's
+    # 3 pages a collection: one pack's 2 needed pages and 1 of the next's
+    assert store.drop(7, [1, 2, 3]).packs_compacted == 2
 
-    counts = [store.collect_garbage(7).packs_compacted for _ in range(3)]
+    counts = [store.collect_garbage(7).packs_compacted for _ in range(2)]
 
-    assert counts == [1, 1, 0]
+    assert counts == [2, 0]  # the second's last page and the third's 2, then nothing is left to do
     assert store.job_usage(7) == 6 * PAGE
     store.restore(newest, tmp_path / "out")
     assert (tmp_path / "out/images/pages-1.img").read_bytes() == b"".join(kept)
@@ -501,3 +502,22 @@ def test_a_fence_nested_beyond_pythons_depth_fences_nothing(store):
 
     assert store.read_fence(7) is None
     assert store.latest_valid(7)[0].seq == 1
+
+
+def test_a_pack_that_needs_more_than_the_budget_is_compacted_over_several_collections(store, tmp_path,
+                                                                                       monkeypatch):
+    import singularity_slurm.checkpoint.store as store_module
+
+    monkeypatch.setattr(store_module, "COMPACT_MAX_BYTES", 3 * PAGE)
+    memory = pages(32, 50)
+    commit(store, {"images/pages-1.img": memory})
+    memory[8 * PAGE:] = pages(24, 51)
+    newest = commit(store, {"images/pages-1.img": memory})  # 8 pages of the first pack still needed
+    store.drop(7, [1])  # copies 3 of them
+
+    counts = [store.collect_garbage(7).packs_compacted for _ in range(3)]
+
+    assert counts == [1, 1, 0]  # 3 more, then the last 2 and the first pack goes
+    assert store.job_usage(7) == 32 * PAGE  # the 24 new pages and each needed old one once
+    store.restore(newest, tmp_path / "out")
+    assert (tmp_path / "out/images/pages-1.img").read_bytes() == bytes(memory)
