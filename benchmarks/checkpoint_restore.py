@@ -18,6 +18,13 @@ with time.monotonic():
   job PSS MiB             proportional set size of the training process and its DataLoader
                           workers, just before the preemption
 
+Beside each Singularity run, in the same run, the machine's floor for the same bytes: copy them in
+memory, xxh3-128 every 4 KiB page and write them durably (write + fsync) into the store's
+filesystem, for all of the checkpoint's bytes and for the bytes it newly stored; and, for the
+restore, read them back and write them again. With --periodic-at the job is checkpointed at that step
+(`singularityctl checkpoint`, as a periodic checkpoint would be) before the preemption, so the
+preemption's checkpoint stores only what changed since.
+
 The torch.save job (examples/train_torchsave.py) runs the same way, from a batch script that
 requeues itself when warned. The requeued jobs' 121 s requeue delay is lifted here for both
 (`scontrol update StartTime=now`). Run as root; see benchmarks/README.md.
@@ -43,6 +50,7 @@ from enum import StrEnum
 from pathlib import Path
 
 import click
+import xxhash
 
 from singularity_slurm import config as config_mod
 from singularity_slurm.errors import SingularityError
@@ -273,6 +281,10 @@ class Result:
     last_step: int | None = None
     first_step_after: int | None = None
     steps_lost: float | None = None
+    periodic_s: float | None = None  # the checkpoint taken at --periodic-at (singularityctl's seconds)
+    floor_all_s: float | None = None  # copy + xxh3 + durable write of the checkpoint's bytes
+    floor_stored_s: float | None = None  # the same for the bytes it newly stored
+    floor_restore_s: float | None = None  # read the checkpoint's bytes back and write them again
     note: str = ""
 
 
@@ -344,6 +356,8 @@ COLUMNS: list[tuple[str, Callable[[Result], str]]] = [
     ("running -> first step s", lambda r: _num(r.first_step_s)),
     ("running -> new progress s", lambda r: _num(r.progress_s)),
     ("steps lost", lambda r: _num(r.steps_lost, 0)),
+    ("floor: all / stored / restore s", lambda r: "n/a" if r.floor_all_s is None else
+     f"{_num(r.floor_all_s, 2)} / {_num(r.floor_stored_s, 2)} / {_num(r.floor_restore_s, 2)}"),
     ("note", lambda r: r.note),
 ]
 
@@ -367,6 +381,14 @@ def format_ratios(rows: Sequence[Result]) -> list[str]:
     ours = {r.ballast_mib: r for r in rows if r.workload == SINGULARITY}
     theirs = {r.ballast_mib: r for r in rows if r.workload != SINGULARITY}
     lines = []
+    for ballast in sorted(ours):
+        r = ours[ballast]
+        if r.floor_all_s is None:
+            continue
+        lines.append(f"- Singularity at {ballast} MiB against the machine's floor: warning -> stopped / "
+                     f"floor of all {_num(r.checkpoint_mib)} MiB {ratio(r.stop_s, r.floor_all_s)}, / floor "
+                     f"of the {_num(r.stored_mib)} MiB stored {ratio(r.stop_s, r.floor_stored_s)}; running "
+                     f"-> first step / restore floor {ratio(r.first_step_s, r.floor_restore_s)}")
     for ballast in sorted(set(ours) & set(theirs)):
         s, t = ours[ballast], theirs[ballast]
         lines.append(f"- ballast {ballast} MiB, Singularity / {t.workload}: running -> new progress "
@@ -398,6 +420,10 @@ DEFINITIONS = [
     "bytes); for torch.save the size of its file",
     "times are taken by the benchmark polling every 0.1 s: about 0.1-0.2 s resolution; compare rows "
     "of one run, not runs on different days or machines",
+    "floor: what the checkpoint's bytes cost at least on this machine, measured right after the run: "
+    "copy in memory, xxh3-128 per 4 KiB page, write and fsync into the store's filesystem (all: every "
+    "byte of the checkpoint; stored: the bytes it newly stored); restore: read them back and write "
+    "them again",
 ]
 
 
@@ -460,6 +486,46 @@ class Settings:
     save_every: int
     premium_sleep: float
     job_timeout: float
+    periodic_at: int = 0  # 0: no checkpoint before the preemption
+    floor_dir: str = ""  # where the floor is measured ("": not at all)
+
+
+FLOOR_BLOCK = 64 << 20
+PAGE = 4096
+
+
+def floor_seconds(total_mib: float, stored_mib: float, folder: Path) -> tuple[float, float, float]:
+    """(all, stored, restore): what copying, hashing (xxh3-128 per page) and durably writing
+    `total_mib` and `stored_mib` MiB cost on this machine, and reading `total_mib` back and writing
+    it again. The bytes are random, so no filesystem or cache can shortcut them."""
+    block = os.urandom(FLOOR_BLOCK)
+    target, copy = folder / f".floor-{os.getpid()}", folder / f".floor-{os.getpid()}.restored"
+
+    def write(mib: float) -> float:
+        started, left = time.perf_counter(), int(mib * 2**20)
+        with open(target, "wb") as out:
+            while left > 0:
+                piece = bytearray(block[:min(left, FLOOR_BLOCK)])  # the copy out of the process
+                view = memoryview(piece)
+                for at in range(0, len(piece), PAGE):
+                    xxhash.xxh3_128_digest(view[at:at + PAGE])
+                out.write(piece)
+                left -= len(piece)
+            out.flush()
+            os.fsync(out.fileno())
+        return time.perf_counter() - started
+
+    try:
+        stored = write(stored_mib)
+        everything = write(total_mib)
+        started = time.perf_counter()
+        with open(target, "rb") as source, open(copy, "wb") as out:
+            while data := source.read(FLOOR_BLOCK):
+                out.write(data)
+        return everything, stored, time.perf_counter() - started
+    finally:
+        target.unlink(missing_ok=True)
+        copy.unlink(missing_ok=True)
 
 
 def training_script(kind: str, ballast: int, s: Settings) -> str:
@@ -510,6 +576,8 @@ def settings_problems(s: Settings) -> list[str]:
         found.append("--sleep must be > 0: the job must still be running when it is restored")
     if s.preempt_at < 1 or s.save_every < 1:
         found.append("--preempt-at and --save-every must be at least 1")
+    if s.periodic_at and not 0 < s.periodic_at < s.preempt_at - 10:
+        found.append("--periodic-at must come at least 10 steps before --preempt-at (or be 0: none)")
     if s.sleep > 0 and (s.steps - s.preempt_at) * s.sleep < 60:
         found.append(f"the job would finish too soon after the preemption: give --steps at least "
                      f"{s.preempt_at + math.ceil(60 / s.sleep)}")
@@ -532,6 +600,8 @@ class Tracking:
     log: LogView = field(default_factory=LogView)
     premium_id: int | None = None
     premium_at: float | None = None
+    periodic_s: float | None = None
+    periodic_done: bool = False
     pss_mib: float | None = None
     nodes: list[str] = field(default_factory=list)
 
@@ -578,8 +648,32 @@ class Bench:
         if job is not None:
             self.retire(job, track.premium_id, at_once=bool(note))
         base = Result(label, ballast, job_id=job, nodes=" -> ".join(track.nodes), pss_mib=track.pss_mib,
-                      note=note)
-        return measure(base, track.seen, track.log, track.premium_at)
+                      periodic_s=track.periodic_s, note=note)
+        result = measure(base, track.seen, track.log, track.premium_at)
+        if kind == SINGULARITY and self.s.floor_dir and result.checkpoint_mib:
+            self.say(f"{label}, ballast {ballast} MiB: measuring the floor for "
+                     f"{result.checkpoint_mib:.0f} MiB ({result.stored_mib:.0f} MiB stored)")
+            every, stored, restore = floor_seconds(result.checkpoint_mib, result.stored_mib or 0.0,
+                                                   Path(self.s.floor_dir))
+            result = replace(result, floor_all_s=round(every, 3), floor_stored_s=round(stored, 3),
+                             floor_restore_s=round(restore, 3))
+        return result
+
+    def checkpoint_now(self, job: int, track: Tracking) -> None:
+        """A checkpoint of the running job, as the periodic one would take (the job runs on)."""
+        track.periodic_done = True
+        try:  # as long as the checkpoint takes (a big job's takes minutes)
+            proc = subprocess.run(["runuser", "-u", self.s.user, "--", self.s.ctl, "checkpoint", str(job),
+                                   "--json"], capture_output=True, text=True, timeout=self.s.job_timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise RunFailed(f"singularityctl checkpoint {job} did not answer in "
+                            f"{self.s.job_timeout:.0f}s") from exc
+        if proc.returncode != 0:
+            raise RunFailed(f"singularityctl checkpoint {job} failed: {proc.stderr.strip()}")
+        reply = json.loads(proc.stdout)
+        track.periodic_s = float(reply["seconds"])
+        self.say(f"job {job}: checkpoint {reply['seq']} before the preemption: {reply['seconds']:.1f}s, "
+                 f"{reply['logical_bytes'] / 2**20:.0f} MiB, {reply['new_bytes'] / 2**20:.0f} MiB stored")
 
     def watch(self, job: int, folder: Path, script: str, requeued_line: bool, track: Tracking) -> None:
         started = self.clock()
@@ -607,6 +701,9 @@ class Bench:
                 self.say(f"job {job}: {event} +{now - started:.1f}s (last step {obs.log.last_step})")
                 if event in (Event.RUNNING, Event.RUNNING_AGAIN):
                     track.nodes.append(obs.node)
+            if (requeued_line and self.s.periodic_at and not track.periodic_done
+                    and obs.log.last_step >= self.s.periodic_at):
+                self.checkpoint_now(job, track)
             if Event.READY in track.seen and track.premium_id is None:
                 self.preempt(job, obs.node, folder, script, track)
             if lift_due(obs, track.seen, last_lift, now):
@@ -722,6 +819,10 @@ def _git_commit() -> str:
               help="Pause per training step (seconds).")
 @click.option("--preempt-at", default=125, show_default=True, envvar="BENCH_PREEMPT_AT",
               help="Preempt once the job has printed this step.")
+@click.option("--periodic-at", default=0, show_default=True, envvar="BENCH_PERIODIC_AT",
+              help="Checkpoint the Singularity job at this step, before the preemption (0: no).")
+@click.option("--floor/--no-floor", default=True, show_default=True, envvar="BENCH_FLOOR",
+              help="Measure the machine's floor for each checkpoint's bytes beside it.")
 @click.option("--save-every", default=50, show_default=True, envvar="BENCH_SAVE_EVERY",
               help="torch.save interval of the alternative (steps).")
 @click.option("--premium-sleep", default=5.0, show_default=True, envvar="BENCH_PREMIUM_SLEEP",
@@ -738,8 +839,8 @@ def _git_commit() -> str:
               show_default=True, envvar="BENCH_RESULTS_DIR", help="Where the report is written.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the Markdown report.")
 def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, preempt_at: int,
-         save_every: int, premium_sleep: float, job_timeout: float, repeat: int, user: str,
-         workdir: Path | None, results_dir: Path, as_json: bool) -> None:
+         periodic_at: int, floor: bool, save_every: int, premium_sleep: float, job_timeout: float,
+         repeat: int, user: str, workdir: Path | None, results_dir: Path, as_json: bool) -> None:
     """Measure checkpoint and restore of preempted jobs on the dev cluster, Singularity against
     torch.save. Run as root; it takes about a minute per job (see benchmarks/README.md)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -749,7 +850,8 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
         prefix = paths.prefix
         settings = Settings(user, str(prefix / "venv" / "bin" / "singularityctl"),
                             str(prefix / "venv" / "bin" / "python"), steps, step_sleep, preempt_at,
-                            save_every, premium_sleep, job_timeout)
+                            save_every, premium_sleep, job_timeout, periodic_at,
+                            str(paths.store_root) if floor else "")
         if problems := settings_problems(settings):
             raise CannotStart("; ".join(problems))
         runs = plan_runs(parse_sizes(ballast), parse_sizes(torchsave_ballast))
@@ -765,7 +867,8 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
         meta = {"date": stamp, "host": socket.gethostname(), "cpus": os.cpu_count(),
                 "slurm": str(slurm.version()), "commit": _git_commit(), "step sleep": f"{step_sleep}s",
                 "preempt at step": preempt_at, "torch.save every": f"{save_every} steps",
-                "premium job": f"{premium_sleep}s", "repeat": repeat}
+                "premium job": f"{premium_sleep}s", "repeat": repeat,
+                "checkpoint before the preemption": f"step {periodic_at}" if periodic_at else "none"}
     except (CannotStart, SingularityError) as exc:
         raise click.ClickException(str(exc)) from exc
 
