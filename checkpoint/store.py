@@ -295,7 +295,7 @@ class CheckpointStore:
             names = sorted(name for name in os.listdir(folder) if name.endswith(".idx"))
         except FileNotFoundError:
             names = []
-        found: list[tuple[Path, tuple[int, int, int]]] = []
+        found: list[tuple[Path, tuple[Any, ...]]] = []
         for name in names:
             try:
                 found.append((folder / name, _index_key(folder / name)))
