@@ -139,12 +139,6 @@ class PackIndex:
             hit = match
         return np.where(hit, at, -1)
 
-    def copies(self, position: int) -> range:
-        """The positions of every copy of the chunk at `position`."""
-        digest = self.digests[position : position + 1]
-        return range(int(np.searchsorted(self.digests, digest, side="left")[0]),
-                     int(np.searchsorted(self.digests, digest, side="right")[0]))
-
     def get(self, digest: bytes) -> tuple[Path, int, int] | None:
         """Where one chunk is: (pack, offset, length), or None."""
         at = int(self.find(np.frombuffer(digest, DIGEST))[0])
