@@ -42,10 +42,22 @@ class Group:
             members.setdefault(owner, []).append(g)
         return {proxy: tuple(ranks) for proxy, ranks in members.items()}
 
+    @cached_property
+    def _order(self) -> tuple[str, ...]:
+        return tuple(self._members)
+
+    @cached_property
+    def _positions(self) -> dict[str, int]:
+        return {proxy: i for i, proxy in enumerate(self._order)}
+
     @property
-    def proxies(self) -> list[str]:
+    def proxies(self) -> tuple[str, ...]:
         """Proxies with members, ordered by their first member."""
-        return list(self._members)
+        return self._order
+
+    def position(self, proxy: str) -> int:
+        """Where `proxy` stands in `proxies`."""
+        return self._positions[proxy]
 
     def members_of(self, proxy: str) -> tuple[int, ...]:
         return self._members.get(proxy, ())
@@ -69,7 +81,7 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
     if len(proxies) == 1:
         return backend.reduce([inputs[g] for g in range(len(group.owners))], op)
     bounds = chunk_bounds(first.size, len(proxies))
-    me = proxies.index(fabric.me)
+    me = group.position(fabric.me)
     local = sorted(inputs)
     for j, peer in enumerate(proxies):
         if peer != fabric.me:
@@ -107,6 +119,23 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
     if wrong:
         raise ValueError(f"ranks disagree on the element count ({first.size} here): {'; '.join(wrong)}")
     return result
+
+
+def barrier(fabric: Fabric, group: Group, tag: str) -> None:
+    """Return once every proxy of the group has entered: a dissemination barrier.
+
+    In round k each proxy tells the one 2**k places after it that it has got this far and waits for
+    the one 2**k places before it; after ceil(log2 P) rounds each has heard, directly or through
+    others, from all P. A proxy sends and receives log2 P empty messages instead of P - 1 each way,
+    so a barrier's cost barely grows with the job.
+    """
+    proxies = group.proxies
+    count, me = len(proxies), group.position(fabric.me)
+    distance, round_ = 1, 0
+    while distance < count:
+        fabric.send(proxies[(me + distance) % count], f"{tag}:d{round_}", ())
+        fabric.take(f"{tag}:d{round_}", proxies[(me - distance) % count])
+        distance, round_ = distance * 2, round_ + 1
 
 
 def broadcast(fabric: Fabric, group: Group, tag: str, inputs: Mapping[int, np.ndarray],

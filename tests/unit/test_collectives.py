@@ -147,7 +147,8 @@ def test_chunk_bounds_tile_the_range(n: int, parts: int) -> None:
 def test_group_proxies_are_ordered_by_their_first_member() -> None:
     group = Group("world", ("b", "a", "b", "c", "a"))
 
-    assert group.proxies == ["b", "a", "c"]
+    assert group.proxies == ("b", "a", "c")
+    assert [group.position(p) for p in group.proxies] == [0, 1, 2]
     assert group.members_of("a") == (1, 4)
     assert group.members_of("b") == (0, 2)
     assert group.members_of("z") == ()
@@ -272,6 +273,46 @@ def test_allgather_of_empty_contributions_is_a_barrier() -> None:
         fabric, group, "t:1", local, np.dtype(np.uint8)))
 
     assert {p: r.size for p, r in results.items()} == {"a": 0, "b": 0}
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 7, 8, 9, 16])
+def test_barrier_returns_on_no_proxy_before_every_proxy_has_entered(count: int) -> None:
+    owners = tuple(f"p{i}" for i in range(count))
+    late = owners[count // 2]  # enters only once all the others are in the barrier
+    entered: set[str] = set()
+    cond = threading.Condition()
+    sent: dict[str, int] = {}
+
+    def collective(fabric: MemoryFabric, group: Group, local: dict[int, np.ndarray]) -> np.ndarray:
+        send = fabric.send
+
+        def counted(peer: str, tag: str, payload: Sequence) -> None:
+            sent[fabric.me] = sent.get(fabric.me, 0) + 1
+            send(peer, tag, payload)
+
+        fabric.send = counted  # type: ignore[method-assign]
+        with cond:
+            if fabric.me == late:
+                assert cond.wait_for(lambda: len(entered) == count - 1, timeout=10)
+            entered.add(fabric.me)
+            cond.notify_all()
+        collectives.barrier(fabric, group, "t:1")
+        with cond:
+            assert entered == set(owners), f"{fabric.me} left the barrier before {set(owners) - entered}"
+        return np.empty(0)
+
+    run_on_proxies(owners, [np.empty(0)] * count, collective)
+
+    rounds = (count - 1).bit_length()  # ceil(log2 count)
+    assert sent == ({p: rounds for p in owners} if count > 1 else {})
+
+
+def test_barrier_of_several_ranks_per_proxy_exchanges_between_proxies_only() -> None:
+    results = run_on_proxies(("a", "a", "b", "c", "c"), [np.empty(0)] * 5,
+                             lambda fabric, group, local: (collectives.barrier(fabric, group, "t:1"),
+                                                           np.empty(0))[1])
+
+    assert set(results) == {"a", "b", "c"}
 
 
 # --- reduce, gather, scatter, all-to-all ----------------------------------------------------------
