@@ -49,11 +49,23 @@ def proxy_devices(job: JobContext, config: Config) -> list[str]:
     return [f"cpu{i}" for i in range(config.proxy.cpu_slots)]
 
 
-def proxy_spec(job: JobContext, config: Config, run_dir: Path, device: str) -> services.ServiceSpec:
+def proxy_backend(configured: str, device: str, inventory: list[dict] | None) -> str:
+    """The device backend of one device's proxy: `host` for a CPU slot; for a GPU, the configured
+    one, where `auto` is `cuda` if NVML saw the job's GPUs on this node and `host` if it could not
+    (no driver: the dev cluster's stand-in GPUs)."""
+    if not device.startswith("gpu"):
+        return "host"
+    if configured == "auto":
+        return "cuda" if inventory else "host"
+    return configured
+
+
+def proxy_spec(job: JobContext, config: Config, run_dir: Path, device: str,
+               inventory: list[dict] | None = None) -> services.ServiceSpec:
     socket_path = run_dir / f"{PROXY}{device}.sock"
     argv = [str(Path(sys.executable).with_name("singularity-proxy")), "--job-id", str(job.job_id),
             "--uid", str(job.uid), "--id", f"{job.node}/{device}", "--socket", str(socket_path),
-            "--backend", config.proxy.backend]
+            "--backend", proxy_backend(config.proxy.backend, device, inventory)]
     return services.ServiceSpec(f"{PROXY}{device}", argv, ready_path=socket_path)
 
 
@@ -111,10 +123,11 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
             # The job runs all the same (a failed Prolog would drain the node); a restore still
             # refuses checkpoints taken for another uid.
             log.error("cannot claim the job's folder in the checkpoint store: %s", exc)
+    inventory = gpu_inventory(job, log)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(run_dir, 0o755)
-        specs = [agent_spec(job, run_dir)] + [proxy_spec(job, config, run_dir, device)
+        specs = [agent_spec(job, run_dir)] + [proxy_spec(job, config, run_dir, device, inventory)
                                               for device in proxy_devices(job, config)]
         with ThreadPoolExecutor(max_workers=len(specs)) as pool:
             started = list(pool.map(lambda spec: services.start(spec, run_dir, ready_timeout=30), specs))
@@ -126,7 +139,6 @@ def run(env: dict[str, str], ensure: bool = False) -> int:
              ",".join(job.gpus) or "-", job.restart_count, pids)
     requested, eligible = (sla_facts(job, SlurmClient(timeout=5), started_at, log) if job.restart_count == 0
                            else (None, None))
-    inventory = gpu_inventory(job, log)
     try:
         Registry(connect(config.redis)).record_node_start(NodeStart(
             job_id=job.job_id, node=job.node, user=job.user, uid=job.uid, tier=job.tier,

@@ -1,9 +1,13 @@
 """The proxy's hardware abstraction layer: memory shared with workers, and reductions.
 
-`DeviceBackend` is what a proxy needs from a device. `HostBackend` (CPU memory, numpy) is the one
-there is now, for CPU device slots and for the dev cluster's GPUs; a `cuda` backend implements the same
-interface with device memory and kernels. Reductions combine contributions in the order given, which
-the caller makes the logical-rank order: results then do not depend on arrival order or placement.
+`DeviceBackend` is what a proxy needs from a device. `HostBackend` (CPU memory, numpy) serves CPU
+device slots and GPUs NVML cannot see (the dev cluster's stand-ins). `StagedCudaBackend` serves a GPU:
+its ranks' CUDA tensors come through host memory (the worker copies a tensor into the region shared
+with its proxy and its result back, after the work its stream queued before the call), the reduction
+runs on the host in rank order, and the GPU is exclusive, so the ranks that share it take turns. A
+backend reducing in device memory (CUDA IPC handles, NCCL between proxies) would implement the same
+interface. Reductions combine contributions in the order given, which the caller makes the
+logical-rank order: results then do not depend on arrival order or placement.
 
 numpy has no bfloat16: its arrays here are of `BFLOAT16`, a one-field record of the raw 16 bits, which
 moves, slices and concatenates like any dtype but refuses arithmetic, so nothing adds its bits as
@@ -121,7 +125,20 @@ def float32_to_bfloat16(values: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint16).view(BFLOAT16)
 
 
+class StagedCudaBackend(HostBackend):
+    """A GPU whose ranks' tensors are staged through host memory: the host's regions and
+    reductions, and one rank computing on the device at a time."""
+
+    name = "cuda"
+    exclusive = True
+
+
+BACKENDS = ("host", "cuda")
+
+
 def backend(name: str) -> DeviceBackend:
     if name == "host":
         return HostBackend()
-    raise BackendError(f"device backend {name!r} not available here; available: host")
+    if name == "cuda":
+        return StagedCudaBackend()
+    raise BackendError(f"device backend {name!r} not available here; available: {', '.join(BACKENDS)}")

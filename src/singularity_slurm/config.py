@@ -84,7 +84,9 @@ class PathsConfig:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    backend: str = "host"  # device backend of the proxies: host (CPU memory) until the cuda one lands
+    # device backend of a GPU's proxy: auto (cuda where NVML sees the job's GPUs, host otherwise),
+    # cuda (staged through host memory, turns on a shared GPU) or host; CPU slots are always host
+    backend: str = "auto"
     cpu_slots: int = 1  # proxies on a node where the job has no GPU
     cut_timeout: int = 60  # seconds a checkpoint waits for the distributed cut before giving up
     max_region_mib: int = 4096  # largest shared-memory region one rank may ask its proxy for
@@ -150,6 +152,7 @@ class SlaConfig:
 
 
 TIME_SLICING = ("auto", "turns", "concurrent")
+PROXY_BACKENDS = ("auto", "cuda", "host")
 """The values of `proxy.time_slicing` (`singularity_slurm.proxy.turns.Slicing`)."""
 
 MAX_MMAP_THRESHOLD = 32 << 20
@@ -222,7 +225,8 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "paths.prefix": ("/opt/singularity-slurm", str, "install prefix (venv, criu, SPANK plugin)"),
     "paths.filelog_dir": ("/var/lib/singularity-slurm/filelog", str,
                           "node-local folder of the jobs' file-logs (jobs write there: keep it off /run)"),
-    "proxy.backend": ("host", str, "device backend of the device proxies (host: CPU memory)"),
+    "proxy.backend": ("auto", str, "device backend of a GPU's proxy: auto (cuda where NVML sees the "
+                      "job's GPUs), cuda or host; CPU slots use host"),
     "proxy.cpu_slots": (1, int, "device proxies per node for a job without GPUs"),
     "proxy.cut_timeout": (60, int, "seconds a checkpoint waits for the distributed cut; keep < warn_time"),
     "proxy.max_region_mib": (4096, int, "largest shared-memory region (MiB) a rank may map from its proxy: "
@@ -378,7 +382,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     proxy_raw = data.get("proxy", {})
     _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout", "max_region_mib", "max_rank_connections",
                             "time_slicing", "turn_lapse_s"}, "proxy")
-    proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "host"),
+    proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "auto"),
                         cpu_slots=_take(proxy_raw, "cpu_slots", "proxy", int, 1),
                         cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60),
                         max_region_mib=_take(proxy_raw, "max_region_mib", "proxy", int,
@@ -387,8 +391,9 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                                                    KEYS["proxy.max_rank_connections"][0]),
                         time_slicing=_take(proxy_raw, "time_slicing", "proxy", str, "auto"),
                         turn_lapse_s=_take(proxy_raw, "turn_lapse_s", "proxy", int, 10))
-    if proxy.backend != "host":
-        raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: host")
+    if proxy.backend not in PROXY_BACKENDS:
+        raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: "
+                          f"{', '.join(PROXY_BACKENDS)}")
     if not 1 <= proxy.cpu_slots <= 256:
         raise ConfigError(f"proxy.cpu_slots must be 1..256, got {proxy.cpu_slots}")
     if not 1 <= proxy.cut_timeout <= 3600:

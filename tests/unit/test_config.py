@@ -451,8 +451,8 @@ def test_loaded_config_is_a_config() -> None:
 # --- the [proxy] section --------------------------------------------------------------------------
 
 
-def test_proxy_defaults_are_host_backend_one_cpu_slot_and_a_minute_for_the_cut() -> None:
-    assert parse({}).proxy == ProxyConfig(backend="host", cpu_slots=1, cut_timeout=60)
+def test_proxy_defaults_are_auto_backend_one_cpu_slot_and_a_minute_for_the_cut() -> None:
+    assert parse({}).proxy == ProxyConfig(backend="auto", cpu_slots=1, cut_timeout=60)
 
 
 def test_proxy_defaults_match_the_documented_keys() -> None:
@@ -476,7 +476,7 @@ def test_proxy_overrides_are_taken_with_inclusive_bounds(cpu_slots: int, cut_tim
 def test_the_documented_example_configures_the_proxies() -> None:
     example = Path(__file__).parents[2] / "contrib" / "config" / "config.toml"
 
-    assert load(example).proxy == ProxyConfig(backend="host", cpu_slots=1, cut_timeout=20)
+    assert load(example).proxy == ProxyConfig(backend="auto", cpu_slots=1, cut_timeout=20)
 
 
 def test_unknown_proxy_key_lists_valid_keys() -> None:
@@ -486,11 +486,16 @@ def test_unknown_proxy_key_lists_valid_keys() -> None:
     )
 
 
-@pytest.mark.parametrize("backend", ["cuda", "HOST", ""])
+@pytest.mark.parametrize("backend", ["nccl", "HOST", "CUDA", ""])
 def test_unavailable_proxy_backend_is_refused_with_the_valid_ones(backend: str) -> None:
     assert config_error({"proxy": {"backend": backend}}) == (
-        f"proxy.backend = {backend!r} is not available; valid backends: host"
+        f"proxy.backend = {backend!r} is not available; valid backends: auto, cuda, host"
     )
+
+
+@pytest.mark.parametrize("backend", ["auto", "cuda", "host"])
+def test_every_proxy_backend_is_taken(backend: str) -> None:
+    assert parse({"proxy": {"backend": backend}}).proxy.backend == backend
 
 
 @pytest.mark.parametrize("cpu_slots", [0, -1, 257])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from singularity_slurm.config import parse
 from singularity_slurm.coordinator.registry import NodeStart, Registry
 from singularity_slurm.jobenv import JobContext
 from singularity_slurm.node import gpus
-from singularity_slurm.prolog.main import gpu_inventory
+from singularity_slurm.prolog.main import gpu_inventory, proxy_spec
 from singularity_slurm.slurm_plugin.status import format_details, merge_job
 
 H200 = "NVIDIA H200"
@@ -131,6 +132,27 @@ def test_the_prolog_takes_no_inventory_without_gpus_or_nvml(monkeypatch, caplog)
     assert [r.message for r in caplog.records] == [
         "GPU inventory not taken: NVML's Python bindings are not installed in the project's venv: install "
         "the gpu extra (pip install 'singularity-slurm[gpu]')"]
+
+
+def backend_of(config_backend: str, device: str, inventory: list[dict] | None) -> str:
+    config = parse({"proxy": {"backend": config_backend}})
+    argv = proxy_spec(job_on(["0"]), config, Path("/run/x"), device, inventory).argv
+    return argv[argv.index("--backend") + 1]
+
+
+@pytest.mark.parametrize(("configured", "device", "seen", "expected"), [
+    ("auto", "gpu0", True, "cuda"),  # NVML saw the job's GPUs: the proxy stages CUDA tensors, turns
+    ("auto", "gpu0", False, "host"),  # no driver (the dev cluster's stand-ins)
+    ("auto", "cpu0", False, "host"),
+    ("cuda", "gpu0", False, "cuda"),  # the admin's word
+    ("cuda", "cpu0", False, "host"),  # a CPU slot has no GPU to take turns on
+    ("host", "gpu0", True, "host"),
+])
+def test_a_gpus_proxy_gets_the_cuda_backend_where_nvml_sees_the_gpus_or_the_admin_says_so(
+        configured: str, device: str, seen: bool, expected: str) -> None:
+    inventory = [{"index": 0, "uuid": UUIDS[0], "name": H200, "memory_mib": 143771, "problems": []}]
+
+    assert backend_of(configured, device, inventory if seen else None) == expected
 
 
 def node_start(node: str, inventory: list[dict] | None) -> NodeStart:

@@ -15,6 +15,12 @@ device. Arguments are checked when the script calls, so a call the proxy cannot 
 there with the reason, on every rank alike. At a checkpoint a rank is computing, or parked in a
 request, never holding a half-done collective.
 
+CUDA tensors are staged through host memory: where the script calls, the end of the work its stream
+has queued is recorded; the queue's thread waits for that point, copies the tensor to the host (into
+the region shared with the proxy) and copies the result back before the operation completes (copies
+from pageable host memory return once done). No CUDA memory is shared with the proxy, so a rank
+parked at a cut holds nothing of the proxy's on its GPU when its CUDA state is checkpointed.
+
 Runs in the job's own Python (3.9 or newer) with the job's torch: standard library and torch only.
 """
 
@@ -87,10 +93,12 @@ class _Queue:
             return action()  # issued from a future's callback, already on the queue's thread
         return self._ensure().submit(action).result()
 
-    def start(self, action: Callable[[], object], wait: bool = False) -> dist.Work:
+    def start(self, action: Callable[[], object], wait: bool = False,
+              devices: Sequence[torch.device] = ()) -> dist.Work:
         """Run `action` after everything issued before it; a work object completes with its result
-        (`wait`: has completed, on return)."""
-        future: Future = Future()
+        (`wait`: has completed, on return). `devices`: the CUDA devices the result's tensors are on
+        (a future holds tensors of those devices only)."""
+        future: Future = Future(devices=list(devices)) if devices else Future()
 
         def step():
             try:
@@ -164,10 +172,15 @@ class _Work(Work):
 _QUEUE = _Queue()
 
 
-def _done(result) -> dist.Work:
-    future: Future = Future()
+def _done(result, devices: Sequence[torch.device] = ()) -> dist.Work:
+    future: Future = Future(devices=list(devices)) if devices else Future()
     future.set_result(result)
     return _create_work_from_future(future)
+
+
+def _cuda(tensors: Sequence[torch.Tensor]) -> list[torch.device]:
+    """The CUDA devices these tensors are on, for the future that returns them."""
+    return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=lambda d: d.index or 0)
 
 
 def _reduce_name(opts) -> str:
@@ -180,9 +193,12 @@ def _reduce_name(opts) -> str:
     return name
 
 
+DEVICES = ("cpu", "cuda")
+
+
 def _dtype(tensor: torch.Tensor) -> str:
-    if tensor.device.type != "cpu":
-        raise ProxyError(f"the singularity backend's host proxy takes CPU tensors, got {tensor.device}")
+    if tensor.device.type not in DEVICES:
+        raise ProxyError(f"the singularity backend takes CPU and CUDA tensors, got one on {tensor.device}")
     try:
         return _DTYPES[tensor.dtype]
     except KeyError:
@@ -202,22 +218,57 @@ def _one(tensors: Sequence, what: str):
     return tensors[0]
 
 
-class _Contiguous:
-    """A contiguous stand-in for a tensor, copied back on exit when it had to be made."""
+def _recorded(tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """Mark, in the calling thread, where the work its CUDA streams have queued so far ends (the
+    kernels that write `tensors`); the function returned waits for that point, from any thread.
+    Nothing to wait for on CPU tensors."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    if not devices:
+        return _nothing
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return wait
+
+
+def _nothing() -> None:
+    return None
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s values in contiguous host memory (the tensor itself where it already is)."""
+    if tensor.device.type == "cpu":
+        return tensor.contiguous()
+    return tensor.to("cpu", memory_format=torch.contiguous_format)
+
+
+class _Staged:
+    """A contiguous host stand-in for a tensor (the tensor itself where it is one), copied back on
+    exit when it had to be made: a copy for a strided CPU tensor, the values of a CUDA tensor."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
-        self.work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self.work = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else _host(tensor)
 
     def __enter__(self) -> torch.Tensor:
         return self.work
 
     def __exit__(self, *exc) -> None:
         if self.work is not self.tensor and exc[0] is None:
-            self.tensor.copy_(self.work)
+            self.tensor.copy_(self.work)  # from pageable host memory: done on return
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where a host tensor's bytes are (the proxy client copies them by address)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ProxyError(f"internal error: a {tensor.device} tensor reached the proxy unstaged")
     return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
 
@@ -284,14 +335,16 @@ class SingularityProcessGroup(dist.ProcessGroup):
         reduce = _reduce_name(opts)
         for tensor in tensors:
             _dtype(tensor)  # refuse what the proxy cannot take here, not in the queue's thread
+        ready = _recorded(tensors)
 
         def reduce_all():
+            ready()
             for tensor in tensors:
-                with _Contiguous(tensor) as work:
+                with _Staged(tensor) as work:
                     self._run("allreduce", work, reduce=reduce)
             return tensors
 
-        return _QUEUE.start(reduce_all, self.client.sliced)
+        return _QUEUE.start(reduce_all, self.client.sliced, _cuda(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -301,41 +354,47 @@ class SingularityProcessGroup(dist.ProcessGroup):
         message = {"op": "reduce", "comm": self.comm, "dtype": _dtype(tensor), "count": tensor.numel(),
                    "reduce": _reduce_name(opts), "root": self._root(opts, "reduce")}
         is_root = self.rank() == message["root"]
+        ready = _recorded([tensor])
 
         def run():
-            with _Contiguous(tensor) as work:
+            ready()
+            with _Staged(tensor) as work:
                 self._call(message, [work], [work] if is_root else [])
             return tensors
 
-        return _QUEUE.start(run, self.client.sliced)
+        return _QUEUE.start(run, self.client.sliced, _cuda(tensors))
 
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
+        _recorded(tensors)()
         for tensor in tensors:
-            with _Contiguous(tensor) as work:
+            with _Staged(tensor) as work:
                 self._run("broadcast", work, root=root)
-        return _done(tensors)
+        return _done(tensors, _cuda(tensors))
 
     def _gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        with _Contiguous(tensor) as src, _Contiguous(out) as dst:
+        with _Staged(tensor) as src, _Staged(out) as dst:
             self._run("allgather", src, out=dst)
 
     def allgather(self, output_lists, inputs, opts=None):
+        _recorded(inputs)()
         for outputs, tensor in _pairs(output_lists, inputs, "allgather"):
             flat = torch.empty((self.size(), *tensor.shape), dtype=tensor.dtype)
             self._gather_into(flat, tensor)
             for i, out in enumerate(outputs):
                 out.copy_(flat[i])
-        return _done(output_lists)
+        return _done(output_lists, _cuda([t for outputs in output_lists for t in outputs]))
 
     def _allgather_base(self, output, tensor, opts=None):
+        _recorded([tensor])()
         self._gather_into(output, tensor)
-        return _done([output])
+        return _done([output], _cuda([output]))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        _recorded(inputs)()
         for output, tensor in _pairs(outputs, inputs, "allgather_into_tensor_coalesced"):
             self._gather_into(output, tensor)
-        return _done(outputs)
+        return _done(outputs, _cuda(outputs))
 
     def gather(self, output_tensors, input_tensors, opts=None):
         tensor = _one(input_tensors, "gather")
@@ -344,15 +403,17 @@ class SingularityProcessGroup(dist.ProcessGroup):
         outputs = _one(output_tensors, "gather") if self.rank() == message["root"] else None
         if outputs is not None:
             self._same_shape(outputs, tensor, "gather")
+        ready = _recorded([tensor])
 
         def run():
+            ready()
             flat = torch.empty((self.size(), tensor.numel()), dtype=tensor.dtype) if outputs else None
-            self._call(message, [tensor.contiguous()], [flat] if flat is not None else [])
+            self._call(message, [_host(tensor)], [flat] if flat is not None else [])
             for i, out in enumerate(outputs or ()):
                 out.copy_(flat[i].view(out.shape))
             return output_tensors
 
-        return _QUEUE.start(run, self.client.sliced)
+        return _QUEUE.start(run, self.client.sliced, _cuda(outputs or []))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         out = _one(output_tensors, "scatter")
@@ -361,31 +422,35 @@ class SingularityProcessGroup(dist.ProcessGroup):
         inputs = _one(input_tensors, "scatter") if self.rank() == message["root"] else None
         if inputs is not None:
             self._same_shape(inputs, out, "scatter")
+        ready = _recorded(inputs or [])
 
         def run():
-            flat = [torch.cat([t.reshape(-1) for t in inputs])] if inputs else []
-            with _Contiguous(out) as dst:
+            ready()
+            flat = [_host(torch.cat([t.reshape(-1) for t in inputs]))] if inputs else []
+            with _Staged(out) as dst:
                 self._call(message, flat, [dst])
             return output_tensors
 
-        return _QUEUE.start(run, self.client.sliced)
+        return _QUEUE.start(run, self.client.sliced, _cuda([out]))
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
+        _recorded([t for inputs in input_lists for t in inputs])()
         for out, inputs in _pairs(outputs, input_lists, "reduce_scatter"):
-            flat = torch.cat([t.reshape(-1) for t in inputs])
-            with _Contiguous(out) as dst:
+            flat = _host(torch.cat([t.reshape(-1) for t in inputs]))
+            with _Staged(out) as dst:
                 self._run("reduce_scatter", flat, out=dst, reduce=_reduce_name(opts))
-        return _done(outputs)
+        return _done(outputs, _cuda(outputs))
 
     def _reduce_scatter_base(self, output, tensor, opts=None):
-        with _Contiguous(tensor) as src, _Contiguous(output) as dst:
+        _recorded([tensor])()
+        with _Staged(tensor) as src, _Staged(output) as dst:
             self._run("reduce_scatter", src, out=dst, reduce=_reduce_name(opts))
-        return _done([output])
+        return _done([output], _cuda([output]))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for output, tensor in _pairs(outputs, inputs, "reduce_scatter_tensor_coalesced"):
             self._reduce_scatter_base(output, tensor, opts)
-        return _done(outputs)
+        return _done(outputs, _cuda(outputs))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if output.dtype != input.dtype:
@@ -393,13 +458,15 @@ class SingularityProcessGroup(dist.ProcessGroup):
         message = {"op": "alltoall", "comm": self.comm, "dtype": _dtype(input),
                    "send": _split_counts(input, input_split_sizes, self.size(), "input"),
                    "recv": _split_counts(output, output_split_sizes, self.size(), "output")}
+        ready = _recorded([input])
 
         def run():
-            with _Contiguous(output) as dst:
-                self._call(message, [input.contiguous()], [dst])
+            ready()
+            with _Staged(output) as dst:
+                self._call(message, [_host(input)], [dst])
             return [output]
 
-        return _QUEUE.start(run, self.client.sliced)
+        return _QUEUE.start(run, self.client.sliced, _cuda([output]))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         if len(output_tensors) != self.size() or len(input_tensors) != self.size():
@@ -411,9 +478,11 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 raise ProxyError(f"all_to_all: mixed dtypes {t.dtype} and {input_tensors[0].dtype}")
         message = {"op": "alltoall", "comm": self.comm, "dtype": dtype,
                    "send": [t.numel() for t in input_tensors], "recv": [t.numel() for t in output_tensors]}
+        ready = _recorded(input_tensors)
 
         def run():
-            flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+            ready()
+            flat_in = _host(torch.cat([t.reshape(-1) for t in input_tensors]))
             flat_out = torch.empty(sum(message["recv"]), dtype=flat_in.dtype)
             self._call(message, [flat_in], [flat_out])
             offset = 0
@@ -422,7 +491,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 offset += out.numel()
             return output_tensors
 
-        return _QUEUE.start(run, self.client.sliced)
+        return _QUEUE.start(run, self.client.sliced, _cuda(output_tensors))
 
     # torch 2.13 reaches the single-tensor forms through these names.
     all_gather_single = _allgather_base
@@ -443,19 +512,20 @@ class SingularityProcessGroup(dist.ProcessGroup):
     # --- point to point ---------------------------------------------------------------------------
 
     def send(self, tensors, dstRank, tag=0):
+        _recorded(tensors)()
         for tensor in tensors:
-            with _Contiguous(tensor) as work:
+            with _Staged(tensor) as work:
                 self._run("send", work, peer=dstRank)
-        return _done(tensors)
+        return _done(tensors, _cuda(tensors))
 
     def recv(self, tensors, srcRank, tag=0):
         for tensor in tensors:
-            with _Contiguous(tensor) as work:
+            with _Staged(tensor) as work:
                 message = {"op": "recv", "comm": self.comm, "dtype": _dtype(work), "count": work.numel(),
                            "peer": srcRank}
                 span, nbytes = _span(work), work.numel() * work.element_size()
                 _QUEUE.run(lambda m=message, sp=span, n=nbytes: self.client.call(m, [], [sp], n))
-        return _done(tensors)
+        return _done(tensors, _cuda(tensors))
 
     def _unsupported(self, name, why=""):
         raise ProxyError(f"{name} is not supported by the singularity backend{why} (supported: "
@@ -512,7 +582,7 @@ def install() -> None:
     if getattr(c10d.init_process_group, "__singularity__", False):
         return
     if BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(DEVICES))
     env = os.environ
     world = {"backend": BACKEND, "init_method": None, "store": dist.HashStore,
              "rank": int(env.get("RANK", "0")), "world_size": int(env.get("WORLD_SIZE", "1")),
