@@ -1,4 +1,5 @@
-"""The DDP workload of benchmarks/proxy_vs_gloo.py: an unmodified torch.distributed script (CPU, gloo).
+"""The DDP workload of benchmarks/proxy_vs_gloo.py: an unmodified torch.distributed script (CPU with
+gloo, or `--device cuda` with NCCL).
 
 Every rank trains a replica of an MLP (`--layers` Linear(hidden, hidden) + ReLU, then a Linear to 1
 output) with DistributedDataParallel on a fixed synthetic batch, one torch thread per rank. A step is
@@ -14,13 +15,17 @@ statistics in between, while no rank communicates):
   `--compute-steps` steps under DDP's no_sync() (the same computation, no gradient allreduce), each
   between two barriers that are not timed: the compute-only baseline.
 
+With `--device cuda` the model and the batch live on the rank's GPU (`cuda:0` of the GPUs it is
+given, CUDA_VISIBLE_DEVICES), the process group is NCCL's, and each timestamp is taken once the GPU
+has finished the work before it (torch.cuda.synchronize).
+
 `--device-ms` adds that much time to every forward pass without using the host's CPU (a sleep): it
 stands for the kernels of a device a rank holds, for benchmarks that model more devices than the
 machine has cores (benchmarks/elastic_sizes.py).
 
 Each rank then writes its times, and what it ran on, to `--sync-dir/rank-R.json`. The script knows
 nothing of Singularity: under the benchmark's proxy mode the interposed sitecustomize turns
-`init_process_group("gloo")` into the proxy backend, and the JSON says which backend the process
+`init_process_group("gloo")` (or "nccl") into the proxy backend, and the JSON says which backend the process
 group really had (`dist.get_backend()`).
 """
 
@@ -67,45 +72,57 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=3, help="hidden Linear layers")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model trains: cpu (gloo) or cuda (NCCL, the first GPU it sees)")
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="device time added to every forward pass, without host CPU (a sleep)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 1))
-    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    model = model.to(device)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, device_ids=[0] if cuda else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     data = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.batch, args.hidden, generator=data)
-    y = torch.randn(args.batch, 1, generator=data)
+    x = torch.randn(args.batch, args.hidden, generator=data).to(device)
+    y = torch.randn(args.batch, 1, generator=data).to(device)
     device_s = args.device_ms / 1000
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def step() -> tuple[float, float, float, float]:
         """(step, forward, backward, optimizer) seconds."""
-        t0 = time.perf_counter()
+        t0 = now()
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         if device_s:
             time.sleep(device_s)
-        t1 = time.perf_counter()
+        t1 = now()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = now()
         optimizer.step()
-        t3 = time.perf_counter()
+        t3 = now()
         return t3 - t0, t1 - t0, t2 - t1, t3 - t2
 
     for _ in range(args.warmup):
         step()
     sync_point(args.sync_dir, "warm", rank)
-    started = time.perf_counter()
+    started = now()
     timed = [step() for _ in range(args.steps)]
-    loop_s = time.perf_counter() - started
+    loop_s = now() - started
     sync_point(args.sync_dir, "timed", rank)
     compute = []
     with ddp.no_sync():
@@ -118,7 +135,8 @@ def main() -> int:
     with torch.no_grad():
         loss = torch.nn.functional.mse_loss(model(x), y).item()
     result = {"rank": rank, "world_size": world, "backend": str(dist.get_backend()), "pid": os.getpid(),
-              "hidden": args.hidden, "layers": args.layers, "batch": args.batch, "device_ms": args.device_ms,
+              "device": args.device, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
+              "device_ms": args.device_ms,
               "params": params,
               "grad_bytes": params * 4, "warmup": args.warmup, "loop_s": loop_s, "loss": loss,
               "step_s": [t[0] for t in timed], "forward_s": [t[1] for t in timed],

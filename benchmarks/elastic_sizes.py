@@ -68,7 +68,7 @@ class PinnedRunner(base.Runner):
             rank = int(log.stem.removeprefix("rank-"))
             device = int(base.placement(self.s.world_size, self.s.proxies)[rank].removeprefix("p"))
             argv = ["taskset", "--cpu-list", str(device), *argv]
-        elif argv and argv[0] == self.s.proxy_bin and self.slicing != ALONE:
+        elif tuple(argv[:len(self.s.proxy_cmd)]) == self.s.proxy_cmd and self.slicing != ALONE:
             argv = [*argv, "--time-slicing", self.slicing]
         return super().spawn(argv, env, log)
 
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             raise base.BenchmarkError("taskset (util-linux) is missing: it pins each device's ranks to a CPU")
         settings = base.Settings(args.world_size, max(devices), (args.hidden,), args.layers, args.batch,
                                  args.steps, args.warmup, 0, args.rounds, 25.0, args.run_timeout,
-                                 sys.executable, str(proxy_bin))
+                                 sys.executable, (str(proxy_bin),))
         if problems := base.settings_problems(settings):
             raise base.BenchmarkError("; ".join(problems))
         if os.geteuid() != 0:

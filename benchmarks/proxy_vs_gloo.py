@@ -16,6 +16,12 @@ computation without gradient allreduce, between untimed barriers): the compute-o
 The proxies' statistics are read just before and just after the timed steps, while the workers wait
 at a sync point, so the profile covers exactly the timed steps.
 
+With `--device cuda` the model trains on GPUs (a rank gets the GPU of its proxy, proxy i on GPU
+i mod the GPUs there are, through CUDA_VISIBLE_DEVICES), the script calls
+`init_process_group("nccl")`, the baseline mode is NCCL (one GPU per rank: --proxies = --world-size),
+and the proxies run the `cuda` backend (ranks of one GPU take turns). `--modes proxy` runs the proxy
+mode alone, for placements the baseline cannot run (two ranks time-sliced on one GPU).
+
 Reported: per mode the median step time over rounds (each run's figure is the median over all ranks'
 steps), the ratio proxy / gloo (of those medians, and the median of the per-round ratios), the mean
 step time (throughput) too, and the proxies' profile per step. Needs root (the proxies' control
@@ -44,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = Path(__file__).resolve().with_name("ddp_workload.py")
 GLOO, PROXY = "gloo", "proxy"
-BACKEND_NAME = {GLOO: "gloo", PROXY: "singularity"}  # what dist.get_backend() says in each mode
+BASELINE = {"cpu": "gloo", "cuda": "nccl"}  # the baseline mode's torch backend, by device
 TARGET = 1.03  # the design target for proxy / gloo step time
 POLL_S = 0.005
 STOP_WAIT_S = 10.0
@@ -79,7 +85,18 @@ class Settings:
     bucket_mb: float
     run_timeout: float
     python: str
-    proxy_bin: str
+    proxy_cmd: tuple[str, ...]
+    device: str = "cpu"
+    modes: tuple[str, ...] = (GLOO, PROXY)
+    gpus: int = 0  # GPUs this machine has (--device cuda)
+
+    @property
+    def baseline(self) -> str:
+        return BASELINE[self.device]
+
+    def backend_name(self, mode: str) -> str:
+        """What dist.get_backend() says in each mode."""
+        return self.baseline if mode == GLOO else "singularity"
 
 
 def placement(world_size: int, proxies: int) -> dict[int, str]:
@@ -91,7 +108,7 @@ def plan(settings: Settings) -> list[tuple[int, int, str]]:
     """(round, hidden, mode) in run order: per size both modes back to back, alternating which first."""
     runs = []
     for rnd in range(1, settings.rounds + 1):
-        order = (GLOO, PROXY) if rnd % 2 else (PROXY, GLOO)
+        order = [m for m in ((GLOO, PROXY) if rnd % 2 else (PROXY, GLOO)) if m in settings.modes]
         for hidden in settings.sizes:
             runs += [(rnd, hidden, mode) for mode in order]
     return runs
@@ -109,10 +126,18 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 def settings_problems(s: Settings) -> list[str]:
     found = []
-    if s.world_size < 2:
-        found.append("--world-size must be at least 2")
+    if s.world_size < 1:
+        found.append("--world-size must be at least 1")
     if not 1 <= s.proxies <= s.world_size:
         found.append("--proxies must be between 1 and --world-size")
+    if not s.modes or set(s.modes) - {GLOO, PROXY}:
+        found.append(f"--modes takes {GLOO} (the baseline) and/or {PROXY}")
+    if s.device == "cuda" and s.gpus < 1:
+        found.append("--device cuda needs a GPU this Python's torch can use (torch.cuda.device_count() is 0)")
+    elif s.device == "cuda" and GLOO in s.modes and (s.proxies != s.world_size or s.world_size > s.gpus):
+        found.append(f"NCCL, the baseline with --device cuda, runs one rank per GPU: --proxies must equal "
+                     f"--world-size and {s.gpus} GPU(s) hold at most {s.gpus} ranks; use --modes {PROXY} "
+                     f"to measure ranks that share a GPU")
     if s.steps < 1 or s.rounds < 1:
         found.append("--steps and --rounds must be at least 1")
     if s.warmup < 0 or s.compute_steps < 0:
@@ -238,6 +263,10 @@ class Runner:
         env.update(RANK=str(rank), WORLD_SIZE=str(self.s.world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(self.s.world_size), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # both modes talk over loopback
+        if self.s.device == "cuda":
+            proxies = list(dict.fromkeys(placement(self.s.world_size, self.s.proxies).values()))
+            mine = proxies.index(placement(self.s.world_size, self.s.proxies)[rank])
+            env["CUDA_VISIBLE_DEVICES"] = str(mine % self.s.gpus)  # its proxy's GPU, as Slurm gives it
         return env
 
     def start_proxies(self, folder: Path, job_id: int) -> dict[str, tuple[subprocess.Popen, Path]]:
@@ -245,9 +274,9 @@ class Runner:
         proxies: dict[str, tuple[subprocess.Popen, Path]] = {}
         for pid in dict.fromkeys(places.values()):
             sock = folder / f"{pid}.sock"
-            argv = [self.s.proxy_bin, "--job-id", str(job_id), "--uid", str(os.getuid()), "--id", pid,
+            argv = [*self.s.proxy_cmd, "--job-id", str(job_id), "--uid", str(os.getuid()), "--id", pid,
                     "--socket", str(sock), "--rendezvous-dir", str(folder / "rendezvous"),
-                    "--advertise", "127.0.0.1"]
+                    "--advertise", "127.0.0.1", "--backend", "cuda" if self.s.device == "cuda" else "host"]
             proxies[pid] = (self.spawn(argv, os.environ, folder / f"{pid}.log"), sock)
         deadline = time.monotonic() + 30
         for pid, (proc, sock) in proxies.items():
@@ -295,7 +324,7 @@ class Runner:
             argv = [s.python, str(WORKLOAD), "--sync-dir", str(folder), "--hidden", str(hidden),
                     "--layers", str(s.layers), "--batch", str(s.batch), "--steps", str(s.steps),
                     "--warmup", str(s.warmup), "--compute-steps", str(s.compute_steps),
-                    "--bucket-mb", str(s.bucket_mb)]
+                    "--bucket-mb", str(s.bucket_mb), "--device", s.device]
             workers = [self.spawn(argv, env, folder / f"rank-{r}.log") for r, env in enumerate(envs)]
             deadline = started + self.s.run_timeout
             snapshots: list[dict[str, dict]] = []
@@ -318,10 +347,11 @@ class Runner:
             self.stop([proc for proc, _sock in proxies.values()])
         wall = time.monotonic() - started
         ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(self.s.world_size)]
-        wrong = {r["backend"] for r in ranks} - {BACKEND_NAME[mode]}
+        wrong = {r["backend"] for r in ranks} - {self.s.backend_name(mode)}
         if wrong:
-            raise BenchmarkError(f"{mode} run used backend {wrong}, not {BACKEND_NAME[mode]}: the proxy hook "
-                                 f"{'did not load' if mode == PROXY else 'leaked into the gloo run'}")
+            why = "did not load" if mode == PROXY else "leaked into the baseline run"
+            raise BenchmarkError(f"{mode} run used backend {wrong}, not {self.s.backend_name(mode)}: the "
+                                 f"proxy hook {why}")
         run = summarize_ranks(Run(rnd, hidden, mode, position, wall_s=round(wall, 2)), ranks)
         if snapshots:
             before, after = snapshots
@@ -460,12 +490,12 @@ def profile(runs: Sequence[Run], settings: Settings) -> list[OpProfile]:
     return out
 
 
-def loss_check(s: Summary) -> str:
+def loss_check(s: Summary, baseline: str = "gloo") -> str:
     """Each mode should repeat itself exactly; the modes differ only by the order of float sums."""
     def show(losses: Sequence[float]) -> str:
         return "none" if not losses else " / ".join(f"{v:.7g}" for v in losses)
 
-    text = f"hidden {s.hidden}: gloo {show(s.gloo_losses)}, proxy {show(s.proxy_losses)}"
+    text = f"hidden {s.hidden}: {baseline} {show(s.gloo_losses)}, proxy {show(s.proxy_losses)}"
     if len(s.gloo_losses) == 1 and len(s.proxy_losses) == 1:
         g, p = s.gloo_losses[0], s.proxy_losses[0]
         text += " (identical)" if g == p else f" (relative difference {abs(p - g) / abs(g or 1):.1e})"
@@ -481,11 +511,12 @@ def _minus(a: float | None, b: float | None) -> float | None:
 
 
 def format_report(meta: Mapping[str, object], summary: Sequence[Summary], prof: Sequence[OpProfile],
-                  runs: Sequence[Run]) -> str:
-    lines = ["# DDP step time: Singularity proxy vs gloo", "",
+                  runs: Sequence[Run], baseline: str = "gloo") -> str:
+    b = baseline
+    lines = [f"# DDP step time: Singularity proxy vs {b}", "",
              ", ".join(f"{k} {v}" for k, v in meta.items()), "",
-             "| hidden | params | gradients MiB | gloo ms | proxy ms | proxy / gloo | median of round ratios "
-             "| gloo mean ms | proxy mean ms | mean ratio | compute-only ms |",
+             f"| hidden | params | gradients MiB | {b} ms | proxy ms | proxy / {b} | median of round ratios "
+             f"| {b} mean ms | proxy mean ms | mean ratio | compute-only ms |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         lines.append(f"| {s.hidden} | {s.params:,} | {s.grad_mib:.2f} | {_f(s.gloo_ms)} | {_f(s.proxy_ms)} | "
@@ -494,15 +525,15 @@ def format_report(meta: Mapping[str, object], summary: Sequence[Summary], prof: 
     verdicts = "; ".join(f"hidden {s.hidden}: {_f(s.ratio, 3)} "
                          f"({'met' if s.ratio is not None and s.ratio <= TARGET else 'not met'})"
                          for s in summary)
-    same = "; ".join(loss_check(s) for s in summary)
-    lines += ["", f"Design target: proxy / gloo <= {TARGET}. {verdicts}.", "",
+    same = "; ".join(loss_check(s, b) for s in summary)
+    lines += ["", f"Design target: proxy / {b} <= {TARGET}. {verdicts}.", "",
               f"Final loss on rank 0 (sanity check: same training in both modes): {same}.", "",
         "Where a step goes (medians, ms): backward includes DDP's gradient allreduce; comm wait = backward "
         "- backward of the compute-only (no_sync) steps of the same runs.", "",
         "| hidden | mode | step | forward | backward | optimizer | compute-only backward | comm wait |",
         "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
-        for mode, step, parts in ((GLOO, s.gloo_ms, s.gloo_parts_ms), (PROXY, s.proxy_ms, s.proxy_parts_ms)):
+        for mode, step, parts in ((b, s.gloo_ms, s.gloo_parts_ms), (PROXY, s.proxy_ms, s.proxy_parts_ms)):
             lines.append(f"| {s.hidden} | {mode} | {_f(step)} | {_f(parts['forward_ms'])} | "
                          f"{_f(parts['backward_ms'])} | {_f(parts['optimizer_ms'])} | "
                          f"{_f(parts['compute_backward_ms'])} | "
@@ -517,7 +548,7 @@ def format_report(meta: Mapping[str, object], summary: Sequence[Summary], prof: 
             lines.append(f"| {p.hidden} | {p.op} | {p.calls_per_rank:.2f} | {p.rank_ms:.2f} | "
                          f"{p.skew_ms:.2f} | {p.exchange_ms:.2f} | {p.payload_mib:.2f} | {mesh} |")
     lines += ["", "Per run (median step ms; order: which mode ran first in the pair):", "",
-              "| round | hidden | gloo ms | proxy ms | ratio | first | gloo run s | proxy run s |",
+              f"| round | hidden | {b} ms | proxy ms | ratio | first | {b} run s | proxy run s |",
               "|---:|---:|---:|---:|---:|---|---:|---:|"]
     for rnd in sorted({r.round for r in runs}):
         for hidden in dict.fromkeys(r.hidden for r in runs):
@@ -525,19 +556,19 @@ def format_report(meta: Mapping[str, object], summary: Sequence[Summary], prof: 
             if not pair:
                 continue
             g, p = pair.get(GLOO), pair.get(PROXY)
-            first = next((r.mode for r in pair.values() if r.position == 1), "")
+            first = next((r.mode for r in pair.values() if r.position == 1), "").replace(GLOO, b)
             lines.append(f"| {rnd} | {hidden} | {_f(g.step_ms if g else None)} | "
                          f"{_f(p.step_ms if p else None)} | "
                          f"{_f(_ratio(p.step_ms, g.step_ms) if g and p else None, 3)} | {first} | "
                          f"{_f(g.wall_s if g else None, 1)} | {_f(p.wall_s if p else None, 1)} |")
-    lines += ["", *(f"- {d}" for d in DEFINITIONS), ""]
+    lines += ["", *(f"- {d.format(baseline=b)}" for d in DEFINITIONS), ""]
     return "\n".join(lines)
 
 
 DEFINITIONS = [
     "step: zero_grad + forward + backward + optimizer step of one rank, perf_counter; a run's figure is "
-    "the median over all ranks' timed steps, a mode's the median over rounds; proxy / gloo is the ratio "
-    "of those; the median of round ratios pairs the two modes' runs of the same round",
+    "the median over all ranks' timed steps, a mode's the median over rounds; proxy / {baseline} is the "
+    "ratio of those; the median of round ratios pairs the two modes' runs of the same round",
     "mean: the timed loop's length / steps, averaged over ranks (throughput; includes slow outliers)",
     "compute-only: the same step under DDP's no_sync() (no gradient allreduce), ranks kept in step by "
     "untimed barriers; median over both modes' runs",
@@ -547,10 +578,11 @@ DEFINITIONS = [
     "worker): comm wait - rank time in proxy estimates that",
     "skew: on each proxy, first local rank arrived -> last arrived; exchange: the collective once all "
     "local ranks are there (mesh send/receive, numpy reduction, copies), before results are written back",
-    "final loss: gloo sums a gradient in ring order, the proxies in rank order, so the sums can differ in "
+    "final loss: {baseline} sums a gradient in its own order (a ring), the proxies in rank order, so the "
+    "sums can differ in "
     "the last bits and the steps carry that into the loss; each mode must repeat itself exactly",
-    "everything runs on this one machine: the workers, the proxies and gloo share its cores, so the "
-    "figures show this machine's balance of compute and communication, not a cluster's; compare the "
+    "everything runs on this one machine: the workers, the proxies and {baseline} share its cores, so "
+    "the figures show this machine's balance of compute and communication, not a cluster's; compare the "
     "modes of one run, not runs on different machines",
 ]
 
@@ -579,6 +611,12 @@ def _env(name: str, default: object) -> str:
     return os.environ.get(f"BENCH_{name.upper()}", str(default))
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=_HelpFormatter,
@@ -589,6 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
                "130 interrupted.")
     parser.add_argument("--world-size", type=int, default=int(_env("world_size", 4)),
                         help="ranks (processes)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=_env("device", "cpu"),
+                        help="where the model trains: cpu (baseline gloo) or cuda (baseline NCCL, a GPU per "
+                             "proxy, the proxies' cuda backend)")
+    parser.add_argument("--modes", default=_env("modes", f"{GLOO},{PROXY}"),
+                        help=f"modes to run, comma-separated: {GLOO} (the baseline backend, NCCL with "
+                             f"--device cuda) and {PROXY}")
     parser.add_argument("--proxies", type=int, default=int(_env("proxies", 2)),
                         help="proxy daemons ('devices'); ranks are placed on them in contiguous blocks")
     parser.add_argument("--hidden", default=_env("hidden", "256,1024"),
@@ -621,19 +665,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    bindir = Path(sys.executable).parent
-    proxy_bin = bindir / "singularity-proxy"
+    proxy_bin = Path(sys.executable).parent / "singularity-proxy"
+    # installed: the venv's entry point; from a checkout (tests/gpu/run.sh): the module
+    proxy_cmd = ((str(proxy_bin),) if os.access(proxy_bin, os.X_OK)
+                 else (sys.executable, "-m", "singularity_slurm.proxy.daemon"))
     try:
+        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
         settings = Settings(args.world_size, args.proxies, parse_sizes(args.hidden), args.layers, args.batch,
                             args.steps, args.warmup, args.compute_steps, args.rounds, args.bucket_mb,
-                            args.run_timeout, sys.executable, str(proxy_bin))
+                            args.run_timeout, sys.executable, proxy_cmd, args.device, modes,
+                            _gpus() if args.device == "cuda" else 0)
         if problems := settings_problems(settings):
             raise BenchmarkError("; ".join(problems))
         if os.geteuid() != 0:
             raise BenchmarkError("run it as root: the proxies' control socket only takes root")
-        if not os.access(proxy_bin, os.X_OK):
-            raise BenchmarkError(f"{proxy_bin} is missing: run it with the project's venv python "
-                                 "(/opt/singularity-slurm/venv/bin/python) after `make install`")
+        try:
+            import singularity_slurm.proxy.daemon  # noqa: F401 - what the proxies run
+        except ImportError as exc:
+            raise BenchmarkError(f"the project is not importable ({exc}): run it with the project's "
+                                 "venv python (/opt/singularity-slurm/venv/bin/python) after `make install`"
+                                 ) from exc
         if not (hook_dir() / "sitecustomize.py").exists():
             raise BenchmarkError(f"no {hook_dir()}/sitecustomize.py: reinstall the package")
     except BenchmarkError as exc:
@@ -647,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     runs_planned = plan(settings)
     meta = {"date": stamp, "host": socket.gethostname(), "cpus": os.cpu_count(), "commit": _git_commit(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "world size": settings.world_size, "proxies": settings.proxies,
+            "device": settings.device, "world size": settings.world_size, "proxies": settings.proxies,
             "placement": " ".join(f"{r}:{p}" for r, p in
                                   placement(settings.world_size, settings.proxies).items()),
             "layers": settings.layers, "batch": settings.batch, "steps": settings.steps,
@@ -685,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarize(runs, settings.sizes)
     prof = profile(runs, settings)
-    report = format_report(meta, summary, prof, runs)
+    report = format_report(meta, summary, prof, runs, settings.baseline)
     data = {"meta": {k: str(v) for k, v in meta.items()}, "summary": [asdict(s) for s in summary],
             "profile": [asdict(p) for p in prof], "runs": [asdict(r) for r in runs]}
     print(json.dumps(data, indent=2) if args.as_json else report)

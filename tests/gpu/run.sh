@@ -5,7 +5,7 @@
 #
 # Prints one PASS/FAIL line per item and a summary; exits 0 only when every item passed. Where no
 # GPU is present it says SKIP and exits 0. It needs the machine's own Python with PyTorch (CUDA),
-# cuda-python's driver bindings and nvidia-ml-py ($PYTHON, default python3), and criu where the
+# numpy, cuda-python's driver bindings and nvidia-ml-py ($PYTHON, default python3), and criu where the
 # project installs it (--criu, default /opt/singularity-slurm/bin/singularity-criu). The project
 # need not be installed: its modules are imported from this checkout.
 set -uo pipefail
@@ -23,5 +23,5 @@ pkg=$(mktemp -d)
 trap 'rm -rf "$pkg"' EXIT
 mkdir "$pkg/singularity_slurm"
 ln -s "$repo"/src/singularity_slurm/* "$pkg/singularity_slurm/"
-for part in checkpoint node; do ln -s "$repo/$part" "$pkg/singularity_slurm/$part"; done
+for part in checkpoint node proxy interpose; do ln -s "$repo/$part" "$pkg/singularity_slurm/$part"; done
 PYTHONPATH="$pkg:$here" PYTHONUNBUFFERED=1 "${PYTHON:-python3}" "$here/check.py" "$@"
