@@ -8,14 +8,15 @@ chunk), so a job's numbers are the same on any placement of ranks on proxies and
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 
-from .hal import DeviceBackend
+from .hal import BackendError, DeviceBackend
 
 
 class Fabric(Protocol):
@@ -74,12 +75,18 @@ def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
-              inputs: Mapping[int, np.ndarray], op: str) -> np.ndarray:
-    """Reduce-scatter to chunk owners, then all-gather the reduced chunks."""
+              inputs: Mapping[int, np.ndarray], op: str,
+              into: Sequence[np.ndarray] = ()) -> np.ndarray | None:
+    """Reduce-scatter to chunk owners, then all-gather the reduced chunks.
+
+    Returns the result; or, given `into` (arrays of the inputs' size: the local members' regions),
+    writes it there chunk by chunk as each is complete and returns None. An input may be one of
+    them: each chunk of an input has been sent or reduced before that chunk is written.
+    """
     proxies = group.proxies
     first = next(iter(inputs.values()))
     if len(proxies) == 1:
-        return backend.reduce([inputs[g] for g in range(len(group.owners))], op)
+        return _place(backend.reduce([inputs[g] for g in range(len(group.owners))], op), into)
     bounds = chunk_bounds(first.size, len(proxies))
     me = group.position(fabric.me)
     local = sorted(inputs)
@@ -103,8 +110,9 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
             for i, g in enumerate(members):
                 parts[g] = data[i * (hi - lo):(i + 1) * (hi - lo)]
     chunk = backend.reduce([parts[g] for g in range(len(group.owners))], op)
-    result = np.empty(first.size, dtype=first.dtype)
-    result[lo:hi] = chunk
+    targets = list(into) or [np.empty(first.size, dtype=first.dtype)]
+    for target in targets:
+        target[lo:hi] = chunk
     for peer in proxies:
         if peer != fabric.me:
             fabric.send(peer, f"{tag}:ag", [chunk])
@@ -115,10 +123,81 @@ def allreduce(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
             if data.size != phi - plo:
                 wrong.append(f"proxy {peer} sent {data.size} elements of chunk {j}, not {phi - plo}")
             else:
-                result[plo:phi] = data
+                for target in targets:
+                    target[plo:phi] = data
     if wrong:
         raise ValueError(f"ranks disagree on the element count ({first.size} here): {'; '.join(wrong)}")
-    return result
+    return None if into else targets[0]
+
+
+Attach = Callable[[str, int, Mapping[str, int], np.dtype, int], np.ndarray]
+"""(peer, group rank, where that member's region is, dtype, count) -> the region's elements."""
+
+
+def allreduce_shared(fabric: Fabric, backend: DeviceBackend, group: Group, tag: str,
+                     inputs: Mapping[int, np.ndarray], op: str, regions: Mapping[int, Mapping[str, int]],
+                     attach: Attach) -> None:
+    """Allreduce among proxies that share memory (one host), in place: no data crosses the mesh.
+
+    `inputs` are this proxy's members' regions and take their result; `regions` tells the peers where
+    they are. Each proxy announces its members' regions, attaches its peers' ones (`attach`), reduces
+    its own chunk from every member's region in group-rank order, as `allreduce` does, and writes the
+    result into every member's region; then each tells the others it is done and waits until all
+    are. The chunks are disjoint, so no proxy touches what another one reads or writes, and a
+    member's region holds its whole result once every proxy is done. A proxy that cannot take part
+    (another element count, a region it cannot attach, a reduction the backend refuses) still says
+    done, with its reason, so every proxy returns and each raises.
+    """
+    proxies = group.proxies
+    first = next(iter(inputs.values()))
+    announce = json.dumps({"count": first.size, "dtype": first.dtype.str,
+                           "regions": {str(g): dict(ref) for g, ref in regions.items()}}).encode()
+    for peer in proxies:
+        if peer != fabric.me:
+            fabric.send(peer, f"{tag}:at", [announce])
+    arrays: dict[int, np.ndarray] = dict(inputs)
+    errors: list[Exception] = []
+    for peer in proxies:
+        if peer == fabric.me:
+            continue
+        told = json.loads(bytes(fabric.take(f"{tag}:at", peer)))
+        if (told["count"], told["dtype"]) != (first.size, first.dtype.str):
+            errors.append(ValueError(f"ranks disagree on the element count or type ({first.size} of "
+                                     f"{first.dtype} here): proxy {peer}'s ranks have {told['count']} "
+                                     f"of {np.dtype(told['dtype'])}"))
+            continue
+        try:
+            for g, ref in told["regions"].items():
+                arrays[int(g)] = attach(peer, int(g), ref, first.dtype, first.size)
+        except (OSError, ValueError) as exc:
+            errors.append(ValueError(f"cannot attach proxy {peer}'s shared memory: {exc}"))
+    if not errors:
+        lo, hi = chunk_bounds(first.size, len(proxies))[group.position(fabric.me)]
+        try:
+            chunk = backend.reduce([arrays[g][lo:hi] for g in range(len(group.owners))], op)
+        except (BackendError, ValueError) as exc:
+            errors.append(exc)
+        else:
+            for array in arrays.values():
+                array[lo:hi] = chunk
+    done = json.dumps([str(exc) for exc in errors[:1]]).encode()
+    for peer in proxies:
+        if peer != fabric.me:
+            fabric.send(peer, f"{tag}:dn", [done])
+    for peer in proxies:
+        if peer != fabric.me:
+            theirs = json.loads(bytes(fabric.take(f"{tag}:dn", peer)))
+            if theirs:
+                errors.append(ValueError(f"proxy {peer}: {theirs[0]}"))
+    if errors:
+        raise errors[0]
+
+
+def _place(result: np.ndarray, into: Sequence[np.ndarray]) -> np.ndarray | None:
+    """`result`, or None once it is copied into each of `into`."""
+    for target in into:
+        target[:] = result
+    return None if into else result
 
 
 def barrier(fabric: Fabric, group: Group, tag: str) -> None:

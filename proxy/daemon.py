@@ -44,7 +44,7 @@ from singularity_slurm.config import ProxyConfig
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 
-from . import barrier, collectives
+from . import barrier, collectives, shared
 from .barrier import Gate, Phase
 from .hal import BackendError, DeviceBackend, Region, backend, dtype_of
 from .mesh import Mesh, MeshError
@@ -148,6 +148,11 @@ class Proxy:
         self.stopping = False  # once set, a peer going away is the job ending, not a failure
         self.turns = Turns()
         self.sliced = False  # this generation's ranks on the device take turns
+        # Peers on this host attach the members' regions (proxy.shared): which host each proxy is on.
+        self.host = shared.host_identity() if self.limits.shared_memory else None
+        self.peer_hosts: dict[str, str | None] = {}
+        self.shares_memory: dict[str, bool] = {}  # by communicator, for this generation
+        self.peer_regions = shared.PeerRegions()
 
     def log(self, message: str, *args) -> None:
         LOG.info("job %s proxy %s gen %s: " + message, self.job_id, self.id, self.generation, *args)
@@ -162,7 +167,7 @@ class Proxy:
         with self.cond:
             self.generation = generation
             self.placement = dict(placement)
-            self.groups = {}
+            self.groups, self.peer_hosts, self.shares_memory = {}, {}, {}
             self.local_ranks = [r for r in ranks if placement[r] == self.id]
             self.proxies = list(collectives.Group("world", tuple(placement[r] for r in ranks)).proxies)
             self.leader = self.proxies[0] if self.proxies else None
@@ -197,6 +202,7 @@ class Proxy:
                     raise MeshError(f"generation {generation} was replaced by {self.generation}")
                 self.mesh = mesh
             mesh.connect(addresses, timeout=300)
+            self._learn_hosts(mesh, generation, [p for p in proxies if p != self.id], timeout=300)
         except (OSError, MeshError, RendezvousError, SingularityError, ValueError) as exc:
             with self.cond:
                 current = self.generation == generation
@@ -214,6 +220,33 @@ class Proxy:
                 self.ready = True
             self.cond.notify_all()
         self.log("mesh ready with %s", [p for p in proxies if p != self.id])
+
+    def _learn_hosts(self, mesh: Mesh, generation: str | None, peers: list[str], timeout: float) -> None:
+        """Tell every peer which host this proxy is on, and wait until each has told its own."""
+        for peer in peers:
+            mesh.control(peer, {"ctl": "host", "host": self.host})
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not set(peers) <= set(self.peer_hosts):
+                if self.generation != generation or mesh.closed:
+                    raise MeshError(f"generation {generation} ended while its proxies said where they run")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(peers) - set(self.peer_hosts))
+                    raise MeshError(f"proxies {', '.join(missing)} did not say which host they run on "
+                                    f"within {timeout:.0f}s")
+                self.cond.wait(left)
+
+    def _shares_memory(self, group: collectives.Group) -> bool:
+        """Whether every proxy of the group runs on this host, in reach of each other's regions."""
+        found = self.shares_memory.get(group.name)
+        if found is None:
+            found = self.shares_memory[group.name] = self.host is not None and len(group.proxies) > 1 and all(
+                self.peer_hosts.get(p) == self.host for p in group.proxies if p != self.id)
+        return found
+
+    def _attach(self, peer: str, member: int, ref: dict, dtype: np.dtype, count: int) -> np.ndarray:
+        return self.peer_regions.array(peer, member, shared.RegionRef.of_record(ref), dtype, count)
 
     def max_mesh_payload(self) -> int:
         """The largest frame payload a peer proxy may send: every rank's region at most, plus
@@ -248,6 +281,7 @@ class Proxy:
                 self.mesh.close()
                 self.mesh = None
             self.pending.clear()
+            self.peer_regions.close()
             self.cond.notify_all()
 
     # --- worker connections -----------------------------------------------------------------------
@@ -310,8 +344,6 @@ class Proxy:
                         region = self._map(message)
                         old, session.region = session.region, region
                         wire.send(sock, {"ok": True, "bytes": region.size}, [region.fd])
-                        os.close(region.fd)
-                        region.fd = -1
                         if old is not None:
                             old.close()
                     elif op == "comm":
@@ -557,9 +589,18 @@ class Proxy:
             self._deliver(entries, dtype, outputs)
             return
         inputs = {g: self._region(s).array(dtype, count) for g, (s, _) in entries.items()}
-        if op == "allreduce":
-            result = collectives.allreduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]))
-            outputs = {g: result for g in entries}
+        if op == "allreduce" and self._shares_memory(group):  # in place, straight from each region
+            pid = os.getpid()
+            regions = {g: shared.RegionRef(pid, r.fd, r.ino, r.size).record()
+                       for g, r in ((g, self._region(s)) for g, (s, _) in entries.items())}
+            collectives.allreduce_shared(self.mesh, self.device, group, tag, inputs, str(first["reduce"]),
+                                         regions, self._attach)
+            self._count(op, shared_memory=1)
+            outputs = {}
+        elif op == "allreduce":  # the result lands in the members' regions, where their inputs were
+            collectives.allreduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]),
+                                  into=list(inputs.values()))
+            outputs = {}
         elif op == "reduce":
             result = collectives.reduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]),
                                         root)
@@ -577,6 +618,7 @@ class Proxy:
             if count % size:
                 raise ProxyError(f"reduce_scatter of {count} elements over {size} ranks")
             result = collectives.allreduce(self.mesh, self.device, group, tag, inputs, str(first["reduce"]))
+            assert result is not None
             k = count // size
             outputs = {g: result[g * k:(g + 1) * k] for g in entries}
         self._count(op, exchange_seconds=time.monotonic() - started, bytes=inputs[next(iter(inputs))].nbytes)
@@ -675,7 +717,12 @@ class Proxy:
 
     def _on_control(self, sender: str, message: dict) -> None:
         kind = message.get("ctl")
-        if kind == "drain_request" and self.id == self.leader:
+        if kind == "host":
+            host = message.get("host")
+            with self.cond:
+                self.peer_hosts[sender] = host if isinstance(host, str) else None
+                self.cond.notify_all()
+        elif kind == "drain_request" and self.id == self.leader:
             with self.cond:
                 start = self.round is None
                 if start:

@@ -31,6 +31,7 @@ DTYPES = {**{name: np.dtype(name) for name in ("float32", "float64", "float16")}
 REDUCTIONS = ("sum", "avg", "product", "min", "max")
 _UFUNCS = {"sum": np.add, "avg": np.add, "product": np.multiply, "min": np.minimum, "max": np.maximum}
 MIN_REGION = 1 << 20
+MEMFD_NAME = "singularity-proxy"  # the regions' memfds; peers check it before they attach one
 
 
 class BackendError(Exception):
@@ -39,11 +40,13 @@ class BackendError(Exception):
 
 @dataclass
 class Region:
-    """Memory shared with one worker: `fd` is handed over once, `view` is the proxy's bytes."""
+    """Memory shared with one worker: `fd` is handed over once and kept open, so that the proxy's
+    peers on this host can attach the region too (proxy.shared); `view` is the proxy's bytes."""
 
     fd: int
     size: int
     map: mmap.mmap
+    ino: int = 0  # the memfd's inode: what a peer checks it attached
 
     @property
     def view(self) -> np.ndarray:
@@ -86,10 +89,10 @@ class HostBackend:
 
     def region(self, nbytes: int) -> Region:
         size = max(MIN_REGION, -(-nbytes // MIN_REGION) * MIN_REGION)
-        fd = os.memfd_create("singularity-proxy", os.MFD_CLOEXEC)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            return Region(fd, size, mmap.mmap(fd, size))
+            return Region(fd, size, mmap.mmap(fd, size), os.fstat(fd).st_ino)
         except OSError:
             os.close(fd)
             raise

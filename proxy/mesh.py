@@ -27,12 +27,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 LOG = logging.getLogger("singularity.proxy.mesh")
 
 _HEAD = struct.Struct("!IQ")
 MAX_HEADER = 4 << 20
 """Bytes of one frame's JSON header (a barrier report names every channel of the job: kilobytes)."""
 DEFAULT_MAX_PAYLOAD = 1 << 30
+_UNFILLED_FROM = 1 << 16  # payloads from this size are received into memory that is not zeroed first
 HANDSHAKE_S = 5.0
 """Seconds a connection has to complete its handshake."""
 MAX_PENDING = 64
@@ -94,8 +97,11 @@ def dial_message(token: str, generation: str, acceptor: str, dialer: str, accept
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
-    """`n` bytes; with a deadline, a peer that takes longer in total (not per read) is cut off."""
-    buf = bytearray(n)
+    """`n` bytes; with a deadline, a peer that takes longer in total (not per read) is cut off.
+
+    A large buffer is not zero-filled first (every byte is received into it): an uninitialised numpy
+    array of the heap's reused memory, where a bytearray would write all of it once more."""
+    buf = bytearray(n) if n < _UNFILLED_FROM else np.empty(n, dtype=np.uint8)
     view = memoryview(buf)
     got = 0
     while got < n:

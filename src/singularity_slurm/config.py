@@ -93,6 +93,7 @@ class ProxyConfig:
     max_rank_connections: int = 4  # connections one rank may hold to its proxy at once
     time_slicing: str = "auto"  # ranks sharing a device: auto (turns on a GPU), turns, concurrent
     turn_lapse_s: int = 10  # a turn held this long without a collective lets the waiters run
+    shared_memory: bool = True  # proxies of one host reduce straight from each other's regions
 
     @property
     def max_region_bytes(self) -> int:
@@ -239,6 +240,9 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "proxy.turn_lapse_s": (10, int, "seconds a rank may hold its device's turn without reaching a collective "
                                     "before the ranks waiting for it run beside it (1..3600): a rank that "
                                     "waits for another of its device outside collectives would hang them"),
+    "proxy.shared_memory": (True, bool, "proxies of one host reduce straight from each other's shared "
+                            "regions instead of sending the data over the mesh (they open them through "
+                            "/proc/PID/fd: root in one PID namespace)"),
     "local_files.max_files": (LocalFilesConfig.max_files, int,
                               "node-local files (from the job's file-log) a checkpoint carries at most"),
     "local_files.max_bytes": (LocalFilesConfig.max_bytes, int,
@@ -381,7 +385,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
 
     proxy_raw = data.get("proxy", {})
     _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout", "max_region_mib", "max_rank_connections",
-                            "time_slicing", "turn_lapse_s"}, "proxy")
+                            "time_slicing", "turn_lapse_s", "shared_memory"}, "proxy")
     proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "auto"),
                         cpu_slots=_take(proxy_raw, "cpu_slots", "proxy", int, 1),
                         cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60),
@@ -390,7 +394,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                         max_rank_connections=_take(proxy_raw, "max_rank_connections", "proxy", int,
                                                    KEYS["proxy.max_rank_connections"][0]),
                         time_slicing=_take(proxy_raw, "time_slicing", "proxy", str, "auto"),
-                        turn_lapse_s=_take(proxy_raw, "turn_lapse_s", "proxy", int, 10))
+                        turn_lapse_s=_take(proxy_raw, "turn_lapse_s", "proxy", int, 10),
+                        shared_memory=_take(proxy_raw, "shared_memory", "proxy", bool, True))
     if proxy.backend not in PROXY_BACKENDS:
         raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: "
                           f"{', '.join(PROXY_BACKENDS)}")

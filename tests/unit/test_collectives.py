@@ -58,32 +58,41 @@ class MemoryFabric:
             return self.exchange.inbox.pop(key)
 
 
-def run_on_proxies(owners: tuple[str, ...], inputs: Sequence[np.ndarray],
-                   collective: Callable[[MemoryFabric, Group, dict[int, np.ndarray]], np.ndarray],
-                   ) -> dict[str, np.ndarray]:
-    """Run `collective` on every proxy of the group at once; each proxy's result."""
+def outcomes_on_proxies(owners: tuple[str, ...], inputs: Sequence[np.ndarray],
+                        collective: Callable[[MemoryFabric, Group, dict[int, np.ndarray]], np.ndarray],
+                        ) -> dict[str, object]:
+    """Run `collective` on every proxy of the group at once; what each returned or raised. No
+    message may be left that nobody took."""
     group = Group("world", owners)
     exchange = Exchange()
-    results: dict[str, np.ndarray] = {}
-    errors: dict[str, BaseException] = {}
+    outcomes: dict[str, object] = {}
 
     def proxy(me: str) -> None:
         try:
             local = {g: inputs[g] for g in group.members_of(me)}
-            results[me] = collective(MemoryFabric(me, exchange), group, local)
-        except BaseException as exc:  # reported below, in the test's thread
-            errors[me] = exc
+            outcomes[me] = collective(MemoryFabric(me, exchange), group, local)
+        except BaseException as exc:  # handed to the test's thread
+            outcomes[me] = exc
 
     threads = [threading.Thread(target=proxy, args=(p,)) for p in group.proxies]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=30)
-    if errors:
-        raise next(iter(errors.values()))
-    assert set(results) == set(group.proxies)
+    assert set(outcomes) == set(group.proxies), "a proxy never returned"
     assert exchange.inbox == {}, "a message was sent that nobody took"
-    return results
+    return outcomes
+
+
+def run_on_proxies(owners: tuple[str, ...], inputs: Sequence[np.ndarray],
+                   collective: Callable[[MemoryFabric, Group, dict[int, np.ndarray]], np.ndarray],
+                   ) -> dict[str, np.ndarray]:
+    """Run `collective` on every proxy of the group at once; each proxy's result."""
+    outcomes = outcomes_on_proxies(owners, inputs, collective)
+    for outcome in outcomes.values():
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return outcomes  # type: ignore[return-value]
 
 
 def reduce_all(owners: tuple[str, ...], inputs: Sequence[np.ndarray], op: str) -> dict[str, np.ndarray]:
@@ -230,6 +239,85 @@ def test_allreduce_leaves_the_inputs_untouched() -> None:
     reduce_all(PLACEMENTS_OF_4["1 proxy x 4 ranks"], inputs, "sum")
 
     assert all(np.array_equal(a, b) for a, b in zip(inputs, before, strict=True))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_4.values(), ids=PLACEMENTS_OF_4.keys())
+def test_allreduce_into_the_inputs_own_memory_gives_every_member_the_same_bits(
+        placement: tuple[str, ...], op: str) -> None:
+    inputs = ragged_floats(4, 1001)
+    expected = in_rank_order(inputs, op)
+    regions = [x.copy() for x in inputs]  # each member's region: its input, then its result
+
+    results = run_on_proxies(placement, regions, lambda fabric, group, local: allreduce(
+        fabric, HostBackend(), group, "t:1", local, op, into=list(local.values())))
+
+    assert set(results.values()) == {None}
+    for g, region in enumerate(regions):
+        assert region.tobytes() == expected.tobytes(), f"rank {g}"
+
+
+def shared_memory_allreduce(placement: tuple[str, ...], regions: list[np.ndarray], op: str,
+                            attach_fails: str | None = None) -> dict[str, object]:
+    """allreduce_shared on every proxy, each member's region standing in as `regions[g]`; a peer's
+    region is attached by its announced name (`attach_fails`: the proxy that cannot attach any).
+    What each proxy returned or raised."""
+    def collective(fabric: MemoryFabric, group: Group, local: dict[int, np.ndarray]) -> None:
+        def attach(peer: str, member: int, ref: dict, dtype: np.dtype, count: int) -> np.ndarray:
+            assert ref == {"region": member} and peer == group.owners[member]
+            if fabric.me == attach_fails:
+                raise OSError(f"no access to {peer}'s /proc")
+            return regions[member]
+
+        collectives.allreduce_shared(fabric, HostBackend(), group, "t:1", local, op,
+                                     {g: {"region": g} for g in local}, attach)
+
+    return outcomes_on_proxies(placement, regions, collective)
+
+
+def failures(outcomes: dict[str, object]) -> dict[str, str]:
+    return {p: f"{type(o).__name__}: {o}" for p, o in outcomes.items() if isinstance(o, BaseException)}
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "product"])
+@pytest.mark.parametrize("placement", PLACEMENTS_OF_4.values(), ids=PLACEMENTS_OF_4.keys())
+def test_allreduce_in_shared_memory_gives_the_rank_order_bits_on_every_placement(
+        placement: tuple[str, ...], op: str) -> None:
+    inputs = ragged_floats(4, 1001)
+    expected = in_rank_order(inputs, op)
+    regions = [x.copy() for x in inputs]
+
+    shared_memory_allreduce(placement, regions, op)
+
+    for g, region in enumerate(regions):
+        assert region.tobytes() == expected.tobytes(), f"rank {g}"
+
+
+def test_allreduce_in_shared_memory_of_ranks_that_disagree_on_the_count_fails_on_every_proxy() -> None:
+    regions = [np.ones(4, np.float32), np.ones(5, np.float32), np.ones(5, np.float32)]
+
+    assert failures(shared_memory_allreduce(("a", "b", "b"), regions, "sum")) == {
+        "a": "ValueError: ranks disagree on the element count or type (4 of float32 here): proxy b's ranks "
+             "have 5 of float32",
+        "b": "ValueError: ranks disagree on the element count or type (5 of float32 here): proxy a's ranks "
+             "have 4 of float32"}
+    assert [r.tolist() for r in regions] == [[1.0] * 4, [1.0] * 5, [1.0] * 5]  # nothing reduced
+
+
+def test_allreduce_in_shared_memory_fails_on_every_proxy_when_one_cannot_attach_a_region() -> None:
+    regions = [np.ones(4, np.float32) for _ in range(3)]
+
+    assert failures(shared_memory_allreduce(("a", "b", "c"), regions, "sum", attach_fails="c")) == {
+        "a": "ValueError: proxy c: cannot attach proxy a's shared memory: no access to a's /proc",
+        "b": "ValueError: proxy c: cannot attach proxy a's shared memory: no access to a's /proc",
+        "c": "ValueError: cannot attach proxy a's shared memory: no access to a's /proc"}
+
+
+def test_allreduce_in_shared_memory_of_integers_refuses_avg_on_every_proxy() -> None:
+    outcomes = shared_memory_allreduce(("a", "b"), [np.array([1, 2], np.int32), np.array([3, 4], np.int32)],
+                                       "avg")
+
+    assert failures(outcomes) == {p: "BackendError: avg needs a floating-point dtype, got int32" for p in "ab"}
 
 
 def test_allreduce_avg_of_integers_is_refused_on_every_proxy() -> None:
@@ -509,10 +597,11 @@ def test_dtype_of_an_unsupported_name_lists_the_supported_ones(name: str) -> Non
 
 
 def test_backend_by_name() -> None:
-    assert backend("host").name == "host"
+    assert (backend("host").name, backend("host").exclusive) == ("host", False)
+    assert (backend("cuda").name, backend("cuda").exclusive) == ("cuda", True)  # a GPU's ranks take turns
     with pytest.raises(BackendError) as info:
-        backend("cuda")
-    assert str(info.value) == "device backend 'cuda' not available here; available: host"
+        backend("nccl")
+    assert str(info.value) == "device backend 'nccl' not available here; available: host, cuda"
 
 
 @pytest.mark.parametrize(("asked", "size"), [

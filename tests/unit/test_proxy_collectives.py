@@ -410,12 +410,13 @@ def test_across_proxies_a_piece_of_another_size_fails_the_rank_that_receives_it(
     assert results[0]["async"] == "no error"
     assert results[1]["async"] == (
         "ProxyError: device proxy: alltoall: rank 0 sends 2 elements to rank 1, which expects 1")
-    # An allreduce whose ranks disagree on the count fails on both proxies, and the job goes on.
+    # An allreduce whose ranks disagree on the count fails on both proxies (here, of one host, before
+    # they reduce from each other's memory), and the job goes on.
     assert {r: res["disagree"] for r, res in results.items()} == {
-        0: "ProxyError: device proxy: allreduce: ranks disagree on the element count (2 here): proxy p1 sent "
-           "2 elements of chunk 0 for ranks [1], not 1 each",
-        1: "ProxyError: device proxy: allreduce: ranks disagree on the element count (3 here): proxy p0 sent "
-           "1 elements of chunk 0, not 2"}
+        0: "ProxyError: device proxy: allreduce: ranks disagree on the element count or type (2 of float32 "
+           "here): proxy p1's ranks have 3 of float32",
+        1: "ProxyError: device proxy: allreduce: ranks disagree on the element count or type (3 of float32 "
+           "here): proxy p0's ranks have 2 of float32"}
     assert {r: res["after"] for r, res in results.items()} == {0: 2.0, 1: 2.0}
 
 

@@ -275,15 +275,21 @@ def refused(address: str) -> bool:
 # --- workers through the proxies ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["concurrent", "turns"])
+@pytest.fixture(scope="module", params=[{"time_slicing": "concurrent"}, {"time_slicing": "turns"},
+                                        {"time_slicing": "concurrent", "shared_memory": False}],
+                ids=["concurrent", "turns", "over-the-mesh"])
 def ops_results(tmp_path_factory: pytest.TempPathFactory, request) -> Iterator[dict[int, dict]]:
     """Every operation of the backend, once, by three workers on two proxies (two ranks on one, at
-    once or taking turns)."""
+    once or taking turns; the proxies reducing from each other's memory, or sending over the mesh)."""
     run = Job(tmp_path_factory.mktemp("ops"), {0: "p0", 1: "p0", 2: "p1"},
-              limits=ProxyConfig(time_slicing=request.param))
+              limits=ProxyConfig(**request.param))
     try:
         run.start(WORKER, "ops")
-        yield run.results()
+        results = run.results()
+        # both proxies took every allreduce the same way: from each other's memory, or over the mesh
+        (shared,) = {proxy.stats["allreduce"]["shared_memory"] for proxy in run.proxies.values()}
+        assert shared == 0 if request.param.get("shared_memory") is False else shared >= 5
+        yield results
     finally:
         run.close()
 
