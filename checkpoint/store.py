@@ -141,6 +141,17 @@ class Skipped(NamedTuple):
     reason: str
 
 
+class Checked(NamedTuple):
+    """A job's manifests as read at one time: the readable checkpoints (oldest first), the manifests
+    skipped, whether one of those is of a newer format (whose chunks are unknown here), and every
+    sequence number listed then."""
+
+    manifests: list[Manifest]
+    skipped: list[Skipped]
+    newer: bool
+    listed: frozenset[int]
+
+
 class Refusal(NamedTuple):
     """A checkpoint `latest_valid` passed over, and why (CorruptCheckpoint.detail)."""
 
@@ -616,12 +627,17 @@ class CheckpointStore:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidCheckpointRequest(f"keep={keep!r}: prune must keep at least 1 checkpoint; "
                                            "use delete_job to remove them all")
-        readable = [m.seq for m in self.list(job_id)]
-        return self.drop(job_id, readable[:-keep], tmp_grace_s=tmp_grace_s)
+        checked = self.checked(job_id)
+        readable = [m.seq for m in checked.manifests]
+        return self.drop(job_id, readable[:-keep], tmp_grace_s=tmp_grace_s, checked=checked)
 
-    def drop(self, job_id: int | str, seqs: Sequence[int], *,
-             tmp_grace_s: float = DEFAULT_TMP_GRACE_S) -> PruneResult:
-        """Delete the checkpoints `seqs`, then the packs no remaining checkpoint references."""
+    def drop(self, job_id: int | str, seqs: Sequence[int], *, tmp_grace_s: float = DEFAULT_TMP_GRACE_S,
+             checked: Checked | None = None) -> PruneResult:
+        """Delete the checkpoints `seqs`, then the packs no remaining checkpoint references.
+
+        `checked`: what `checked(job_id)` returned to the caller that chose `seqs`, so that the
+        manifests are not read again (a big job's take seconds); those committed since are.
+        """
         doomed = tuple(sorted(set(seqs)))
         folder = self.job_dir(job_id) / "manifests"
         with _store_io(self.root, f"prune checkpoints of job {job_key(job_id)}"):
@@ -630,21 +646,22 @@ class CheckpointStore:
                     (folder / f"{seq:08d}.{suffix}").unlink(missing_ok=True)
             if doomed:
                 _fsync_dir(folder)
-            return self._collect(job_id, doomed, tmp_grace_s)
+            return self._collect(job_id, doomed, tmp_grace_s, checked)
 
     def collect_garbage(self, job_id: int | str, *, tmp_grace_s: float = DEFAULT_TMP_GRACE_S) -> PruneResult:
         """Delete unreferenced packs and dead writers' tmp entries, keeping every checkpoint."""
         with _store_io(self.root, f"collect garbage of job {job_key(job_id)}"):
             return self._collect(job_id, (), tmp_grace_s)
 
-    def checked(self, job_id: int | str) -> tuple[list[Manifest], list[Skipped], bool]:
-        """Readable checkpoints (oldest first), the unreadable manifests skipped, and whether one of
-        those is of a newer format (whose chunks are unknown here)."""
+    def checked(self, job_id: int | str) -> Checked:
+        """Readable checkpoints (oldest first), the unreadable manifests skipped, whether one of
+        those is of a newer format (whose chunks are unknown here), and the numbers listed."""
         manifests: list[Manifest] = []
         skipped: list[Skipped] = []
         newer = False
         fence = self.read_fence(job_id)
-        for seq in self.seqs(job_id):
+        listed = self.seqs(job_id)
+        for seq in listed:
             try:
                 manifest = self.read(job_id, seq)
             except NoCheckpoint:  # pruned since we listed the folder
@@ -657,14 +674,15 @@ class CheckpointStore:
                 skipped.append(Skipped(f"checkpoint {seq}", _stale(manifest, fence)))
                 continue
             manifests.append(manifest)
-        return manifests, skipped, newer
+        return Checked(manifests, skipped, newer, frozenset(listed))
 
-    def _referenced(self, job_id: int | str) -> tuple[np.ndarray, list[Skipped], bool]:
-        """The digests the readable checkpoints use (sorted, unique), the manifests skipped, and
-        whether GC must wait."""
-        manifests, skipped, newer = self.checked(job_id)
-        parts = [entry.digest_array() for m in manifests for entry in m.files]
-        return np.unique(np.concatenate(parts)) if parts else np.empty(0, DIGEST), skipped, newer
+    @staticmethod
+    def _referenced(checked: Checked, doomed: tuple[int, ...]) -> tuple[np.ndarray, list[Skipped], bool]:
+        """The digests the readable checkpoints not `doomed` use (sorted, unique), the manifests
+        skipped, and whether GC must wait."""
+        parts = [entry.digest_array() for m in checked.manifests if m.seq not in doomed for entry in m.files]
+        return (np.unique(np.concatenate(parts)) if parts else np.empty(0, DIGEST), list(checked.skipped),
+                checked.newer)
 
     def _drop_cut_claims(self, job_id: int | str, grace_s: float) -> None:
         """Remove the number claims of commits cut short (a stub without its manifest) once they are
@@ -700,11 +718,14 @@ class CheckpointStore:
                 continue
         return entries
 
-    def _collect(self, job_id: int | str, doomed: tuple[int, ...], grace_s: float) -> PruneResult:
-        # The manifests are read before the lock is taken (a big job's take seconds), and under it
-        # only those committed since: writers and restores wait for as short a time as it can be.
-        read_before = set(self.seqs(job_id))
-        referenced, skipped, newer = self._referenced(job_id)
+    def _collect(self, job_id: int | str, doomed: tuple[int, ...], grace_s: float,
+                 checked: Checked | None = None) -> PruneResult:
+        # The manifests are read before the lock is taken (a big job's take seconds; or by the
+        # caller, `checked`), and under it only those committed since: writers and restores wait
+        # for as short a time as it can be.
+        checked = checked or self.checked(job_id)
+        read_before = checked.listed
+        referenced, skipped, newer = self._referenced(checked, doomed)
         lock = self.lock(job_id, exclusive=True, wait=False)
         if lock is None:  # a checkpoint is being written or restored: its packs and tmp folder stay
             return PruneResult(doomed, 0, 0, 0, 0, chunk_gc_deferred=True)

@@ -319,18 +319,19 @@ class CheckpointEngine:
         `before`, nothing from that sequence number on is deleted.
         """
         older = (lambda seq: True) if before is None else (lambda seq: seq < before)
+        checked = self.store.checked(job_id)  # read once: the collection uses them too
         if generation is None:
-            own = [m.seq for m in self.store.list(job_id) if not self.shared or self.mine(run)(m)]
-            self.store.drop(job_id, [seq for seq in own[:-self.keep] if older(seq)])
+            own = [m.seq for m in checked.manifests if not self.shared or self.mine(run)(m)]
+            self.store.drop(job_id, [seq for seq in own[:-self.keep] if older(seq)], checked=checked)
             return
         if common is None:
             return
         keep = {generation, *newest_first(common)[:max(self.keep - 1, 1)]}
-        doomed = [m.seq for m in self.store.list(job_id)
+        doomed = [m.seq for m in checked.manifests
                   if self.mine(run)(m) and m.meta.get("generation") and m.meta["generation"] not in keep
                   and older(m.seq)]
         if doomed:
-            self.store.drop(job_id, doomed)
+            self.store.drop(job_id, doomed, checked=checked)
 
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                     generation: str | None, run: str | None, work: Path, started: float,

@@ -115,6 +115,32 @@ def test_single_node_checkpoints_keep_the_newest(tmp_path: Path, keep: int) -> N
     assert engine.store.seqs(JOB) == [1, 2, 3, 4][-keep:]
 
 
+@pytest.mark.parametrize("generation", [None, "1.4"])
+def test_retention_reads_each_manifest_once_and_collects_what_only_the_dropped_ones_used(
+        tmp_path: Path, generation: str | None) -> None:
+    engine = engine_on(tmp_path, keep=2)
+    for i in range(4):
+        commit(engine, None if generation is None else f"1.{i + 1}", bytes([i]) * 4096)
+    reads: list[int] = []
+    read = engine.store.read
+
+    def counted(job_id, seq):
+        reads.append(seq)
+        return read(job_id, seq)
+
+    engine.store.read = counted  # type: ignore[method-assign]
+    engine._prune(JOB, generation, RUN, common=None if generation is None else ["1.3"])
+
+    assert sorted(reads) == [1, 2, 3, 4]  # the choice and the collection share one reading
+    assert engine.store.seqs(JOB) == [3, 4]
+    engine.store.read = read  # type: ignore[method-assign]
+    for manifest in engine.store.list(JOB):
+        engine.store.restore(manifest, tmp_path / f"restored-{manifest.seq}")
+        assert (tmp_path / f"restored-{manifest.seq}/images/pages-1.img").read_bytes() == (
+            bytes([manifest.seq - 1]) * 4096)
+    assert engine.store.collect_garbage(JOB).chunks_deleted == 0  # the dropped ones' chunks went already
+
+
 def test_a_checkpoint_of_another_uid_is_refused_as_a_reused_job_id(tmp_path: Path) -> None:
     engine = engine_on(tmp_path)
     with engine.store.begin(JOB, reason="periodic", meta={"uid": 1001}) as writer:
