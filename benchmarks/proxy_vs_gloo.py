@@ -89,6 +89,7 @@ class Settings:
     device: str = "cpu"
     modes: tuple[str, ...] = (GLOO, PROXY)
     gpus: int = 0  # GPUs this machine has (--device cuda)
+    shared_memory: bool = True  # the proxies' proxy.shared_memory
 
     @property
     def baseline(self) -> str:
@@ -277,7 +278,12 @@ class Runner:
             argv = [*self.s.proxy_cmd, "--job-id", str(job_id), "--uid", str(os.getuid()), "--id", pid,
                     "--socket", str(sock), "--rendezvous-dir", str(folder / "rendezvous"),
                     "--advertise", "127.0.0.1", "--backend", "cuda" if self.s.device == "cuda" else "host"]
-            proxies[pid] = (self.spawn(argv, os.environ, folder / f"{pid}.log"), sock)
+            env = dict(os.environ)
+            if not self.s.shared_memory:  # the proxies read the configuration this names
+                config = folder / "proxy-config.toml"
+                config.write_text("[proxy]\nshared_memory = false\n")
+                env["SINGULARITY_CONFIG"] = str(config)
+            proxies[pid] = (self.spawn(argv, env, folder / f"{pid}.log"), sock)
         deadline = time.monotonic() + 30
         for pid, (proc, sock) in proxies.items():
             while not sock.exists():
@@ -630,6 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=_env("device", "cpu"),
                         help="where the model trains: cpu (baseline gloo) or cuda (baseline NCCL, a GPU per "
                              "proxy, the proxies' cuda backend)")
+    parser.add_argument("--shared-memory", choices=("on", "off"), default=_env("shared_memory", "on"),
+                        help="the proxies' proxy.shared_memory: on, proxies of this host reduce from each "
+                             "other's regions; off, they exchange over the mesh (loopback TCP)")
     parser.add_argument("--modes", default=_env("modes", f"{GLOO},{PROXY}"),
                         help=f"modes to run, comma-separated: {GLOO} (the baseline backend, NCCL with "
                              f"--device cuda) and {PROXY}")
@@ -674,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(args.world_size, args.proxies, parse_sizes(args.hidden), args.layers, args.batch,
                             args.steps, args.warmup, args.compute_steps, args.rounds, args.bucket_mb,
                             args.run_timeout, sys.executable, proxy_cmd, args.device, modes,
-                            _gpus() if args.device == "cuda" else 0)
+                            _gpus() if args.device == "cuda" else 0, args.shared_memory == "on")
         if problems := settings_problems(settings):
             raise BenchmarkError("; ".join(problems))
         if os.geteuid() != 0:
@@ -699,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": stamp, "host": socket.gethostname(), "cpus": os.cpu_count(), "commit": _git_commit(),
             "python": platform.python_version(), "torch": torch.__version__,
             "device": settings.device, "world size": settings.world_size, "proxies": settings.proxies,
+            "proxies share memory": args.shared_memory,
             "placement": " ".join(f"{r}:{p}" for r, p in
                                   placement(settings.world_size, settings.proxies).items()),
             "layers": settings.layers, "batch": settings.batch, "steps": settings.steps,
