@@ -638,6 +638,9 @@ class AgentState:
         if not isinstance(exclude, list) or not all(isinstance(n, str) and n.isprintable() and n
                                                     for n in exclude):
             raise RequestError("requeue: exclude must be a list of node names")
+        keep_excluded = request.get("keep_excluded", False)
+        if not isinstance(keep_excluded, bool):
+            raise RequestError("requeue: keep_excluded must be true or false")
         resize = request.get("resize")
         if resize is not None:
             from singularity_slurm.coordinator.commands import Refused, resize_args
@@ -646,7 +649,7 @@ class AgentState:
                 resize = resize_args(resize)
             except Refused as exc:
                 raise RequestError(f"requeue: {exc.reason}") from None
-        return self._need_engine().requeue(self.job_id, exclude, resize)
+        return self._need_engine().requeue(self.job_id, exclude, resize, keep_excluded=keep_excluded)
 
     def op_migrate(self, request: dict) -> dict:
         exclude = request.get("exclude") or []

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from singularity_slurm import faults, rootexec
+from singularity_slurm import faults, rootexec, rpc
 from singularity_slurm.checkpoint import anondev, cuda, images
 from singularity_slurm.checkpoint.criu import (
     Criu,
@@ -44,6 +44,7 @@ from singularity_slurm.errors import (
     SingularityError,
 )
 from singularity_slurm.interpose import filelog
+from singularity_slurm.jobenv import expand_hostlist
 from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
@@ -552,6 +553,12 @@ class CheckpointEngine:
             old = [gpus.Gpu.of_record(item) for item in record.get("gpus", [])]
             new = gpus.inventory(self.gpus or [gpu.index for gpu in old])
             return driver, gpus.restore_pairs(old, new)
+        except gpus.GpuMismatch as exc:
+            if exc.elsewhere and self.config.gpu.on_mismatch == "wait":
+                # Not an older checkpoint, nor the beginning: the job waits for GPUs that fit.
+                raise rpc.WrongDevices(f"checkpoint {manifest.seq} holds GPU state that the GPUs of "
+                                       f"{self.node} cannot take: {exc}") from exc
+            raise RestoreFailed(f"checkpoint {manifest.seq} holds GPU state: {exc}") from exc
         except CheckpointError as exc:
             raise RestoreFailed(f"checkpoint {manifest.seq} holds GPU state: {exc}") from exc
 
@@ -574,14 +581,18 @@ class CheckpointEngine:
     # --- requeue ----------------------------------------------------------------------------------
 
     def requeue(self, job_id: int, exclude: list[str] | None = None,
-                resize: dict[str, Any] | None = None) -> dict[str, Any]:
+                resize: dict[str, Any] | None = None, keep_excluded: bool = False) -> dict[str, Any]:
         """Requeue the job, and lift Slurm's requeue delay from a helper that outlives the epilog.
 
-        With `exclude`, the helper also keeps the job off those nodes (a migration); with `resize`
-        ({nodes: [MIN, MAX] | None, gpus_per_node: G | None}) it gives the job its new size. Slurm
-        changes neither of a running job, only once it is pending again.
+        With `exclude`, the helper also keeps the job off those nodes (a migration), and off those
+        it was kept off already with `keep_excluded` (nodes whose GPUs cannot take its checkpoint);
+        with `resize` ({nodes: [MIN, MAX] | None, gpus_per_node: G | None}) it gives the job its new
+        size. Slurm changes neither of a running job, only once it is pending again.
         """
         record = self.slurm.job(job_id) or {}
+        if exclude and keep_excluded:
+            kept_off = expand_hostlist(str(record.get("ExcNodeList") or ""))
+            exclude = list(dict.fromkeys([*kept_off, *exclude]))
         restarts = int(record.get("Restarts", 0) or 0)
         if self.restart is not None:
             # Slurm counts a restart as soon as it takes a requeue (`scontrol requeue` of the running

@@ -17,7 +17,13 @@ from singularity_slurm.errors import CheckpointError
 
 
 class GpuMismatch(CheckpointError):
-    """The GPUs a restore would run on cannot hold the checkpoint's GPU state."""
+    """The GPUs a restore would run on cannot hold the checkpoint's GPU state. `elsewhere`: GPUs of
+    other nodes may (these are of another type, or unhealthy), unlike too few of them, which every
+    node of the job's allocation has alike."""
+
+    def __init__(self, message: str, elsewhere: bool = True):
+        super().__init__(message)
+        self.elsewhere = elsewhere
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,8 @@ def restore_pairs(old: Sequence[Gpu], new: Sequence[Gpu]) -> list[GpuPair]:
     old, new = sorted(old, key=lambda g: g.index), sorted(new, key=lambda g: g.index)
     if len(new) < len(old):
         raise GpuMismatch(f"the checkpoint holds the state of {len(old)} GPU(s) but the job has "
-                          f"{len(new)} on this node: request --gpus-per-node={len(old)} or more")
+                          f"{len(new)} on this node: request --gpus-per-node={len(old)} or more",
+                          elsewhere=False)
     pairs = list(zip(old, new, strict=False))
     wrong = [(a, b) for a, b in pairs if a.name != b.name]
     if wrong:

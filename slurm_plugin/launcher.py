@@ -65,12 +65,14 @@ MAX_COMMON = 8
 class LaunchError(SingularityError):
     """The launcher cannot run the job here (not in a Slurm job, no agent).
 
-    `kind`: the agent's error kind (`rpc`) when the agent refused or could not be reached, else None.
+    `kind`: the agent's error kind (`rpc`) when the agent refused or could not be reached, else None;
+    `nodes`: the nodes whose agents answered so.
     """
 
-    def __init__(self, message: str, kind: str | None = None):
+    def __init__(self, message: str, kind: str | None = None, nodes: tuple[str, ...] = ()):
         super().__init__(message)
         self.kind = kind
+        self.nodes = nodes
 
 
 @dataclass(frozen=True)
@@ -330,7 +332,7 @@ class Launcher:
             raise LaunchError(f"the node agent did not answer {payload['op']}: {exc}; is the Prolog "
                               "configured (`singularityctl admin check`)?", exc.kind) from exc
         except rpc.RemoteError as exc:
-            raise LaunchError(f"{payload['op']}: {exc}", exc.kind) from exc
+            raise LaunchError(f"{payload['op']}: {exc}", exc.kind, (self.info.node,)) from exc
 
     def fanout(self, op: str, payload: dict | None = None, timeout: float | None = None,
                nodes: list[str] | None = None) -> list[dict]:
@@ -360,7 +362,8 @@ class Launcher:
         if failed:
             kinds = {str(r.get("kind")) for _, r in failed}
             why = "; ".join(f"{node}: {r.get('error')}" for node, r in failed)
-            raise LaunchError(f"{op} failed on {why}", kinds.pop() if len(kinds) == 1 else None)
+            raise LaunchError(f"{op} failed on {why}", kinds.pop() if len(kinds) == 1 else None,
+                              tuple(node for node, _ in failed))
         return replies  # type: ignore[return-value]
 
     @property
@@ -502,7 +505,8 @@ class Launcher:
 
     def _requeue_once(self, action: lifecycle.Requeue) -> list[str] | None:
         """One round of the requeue's ways; None once one took, else what each said."""
-        payload: dict[str, Any] = {"exclude": list(action.exclude)}
+        payload: dict[str, Any] = {"exclude": list(action.exclude),
+                                   **({"keep_excluded": True} if action.keep_excluded else {})}
         if action.resize is not None:
             payload["resize"] = {"nodes": list(action.resize.nodes) if action.resize.nodes else None,
                                  "gpus_per_node": action.resize.gpus_per_node}
@@ -551,7 +555,8 @@ class Launcher:
             if not restored:
                 self.start(argv)
         except LaunchError as exc:
-            self.events.put(lifecycle.StartFailed(str(exc)))
+            wrong = exc.nodes if exc.kind == rpc.WrongDevices.kind else ()
+            self.events.put(lifecycle.StartFailed(str(exc), wrong_devices=wrong))
             return
         self.events.put(lifecycle.Started(restored))
         threading.Thread(target=self._wait_for_tree, daemon=True).start()
@@ -693,6 +698,8 @@ class Launcher:
                     self.every_node("kill", timeout=60)
                 except LaunchError:
                     pass
+                if exc.kind == rpc.WrongDevices.kind:
+                    raise  # older generations hold the same GPUs' state: wait for nodes that fit
                 continue
             self.committed = common[common.index(generation):]
             logical = sum(r["logical_bytes"] for r in replies)

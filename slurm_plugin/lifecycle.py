@@ -65,7 +65,10 @@ class Started:
 
 @dataclass(frozen=True)
 class StartFailed:
+    """`wrong_devices`: the nodes whose GPUs cannot take the job's checkpoint (it waits for others)."""
+
     error: str
+    wrong_devices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,7 @@ class Requeue:
     exclude: tuple[str, ...] = ()
     through_slurm: bool = False  # the agent is gone: ask Slurm directly, as the job's user
     resize: Resize | None = None  # the pending job's new size
+    keep_excluded: bool = False  # `exclude` adds to the nodes the job is kept off already
 
 
 @dataclass(frozen=True)
@@ -314,6 +318,13 @@ def step(state: State, event: Event) -> tuple[State, list[Action]]:
             # it came from: killing it would make the next start do that again. Dump it.
             return _stop(replace(state, phase=Phase.RUNNING), state.stop_reason, state.stop_pending)
         return replace(state, phase=Phase.RUNNING), []
+
+    if isinstance(event, StartFailed) and event.wrong_devices:
+        nodes = ",".join(event.wrong_devices)
+        return (replace(state, phase=Phase.REQUEUEING, checkpoint_reason=None, stop_pending=None),
+                [Say(f"{event.error}; requeueing the job away from {nodes}: it waits for GPUs that can "
+                     "take its checkpoint (gpu.on_mismatch = wait)"),
+                 Requeue(event.wrong_devices, keep_excluded=True)])
 
     if isinstance(event, StartFailed):
         return _requeue(replace(state, stop_pending=None), f"{event.error}; requeueing the job")

@@ -142,6 +142,9 @@ class GpuConfig:
     # path: recorded by key, bound from the restoring host (the NVIDIA driver's folder in containers)
     external_mounts: tuple[str, ...] = ("/usr/local/nvidia",)
     lock_timeout_s: int = 60  # how long the driver may wait for a process's CUDA calls to finish
+    # a checkpoint whose GPU state this node's GPUs cannot take (another type, an unhealthy GPU):
+    # wait (requeue the job away from the node, its checkpoints kept) or restart (from the beginning)
+    on_mismatch: str = "wait"
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,10 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                             "(the driver's folder where a container runtime mounts it)"),
     "gpu.lock_timeout_s": (GpuConfig.lock_timeout_s, int,
                            "seconds the CUDA driver may take to stop a process's GPU work at a checkpoint"),
+    "gpu.on_mismatch": (GpuConfig.on_mismatch, str,
+                        "a checkpoint whose GPU state the node's GPUs cannot take (another type, an "
+                        "unhealthy GPU): wait (the job is requeued away from such nodes and keeps its "
+                        "checkpoints) or restart (it starts from the beginning)"),
     "testing.faults": (False, bool, "let tests arm fault points of checkpoint and restore (a file in "
                        "<state_dir>/faults/ makes a step fail or kill its process); never on a production "
                        "cluster"),
@@ -461,7 +468,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"sla.window_s must be 10..86400 seconds, got {window_s}")
 
     gpu_raw = data.get("gpu", {})
-    _check_keys(gpu_raw, {"external_mounts", "lock_timeout_s"}, "gpu")
+    _check_keys(gpu_raw, {"external_mounts", "lock_timeout_s", "on_mismatch"}, "gpu")
     mounts = _take(gpu_raw, "external_mounts", "gpu", list, list(GpuConfig.external_mounts))
     for mount in mounts:
         if not isinstance(mount, str) or not mount.startswith("/") or "\n" in mount or " " in mount:
@@ -469,6 +476,9 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     lock_timeout_s = _take(gpu_raw, "lock_timeout_s", "gpu", int, GpuConfig.lock_timeout_s)
     if not 1 <= lock_timeout_s <= 3600:
         raise ConfigError(f"gpu.lock_timeout_s must be 1..3600 seconds, got {lock_timeout_s}")
+    on_mismatch = _take(gpu_raw, "on_mismatch", "gpu", str, GpuConfig.on_mismatch)
+    if on_mismatch not in ("wait", "restart"):
+        raise ConfigError(f"gpu.on_mismatch must be wait or restart, got {on_mismatch!r}")
 
     testing_raw = data.get("testing", {})
     _check_keys(testing_raw, {"faults"}, "testing")
@@ -495,7 +505,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                               replica_mmap_threshold=mmap_threshold),
         sla=SlaConfig(window_s=window_s,
                       protect_nodes=_take(sla_raw, "protect_nodes", "sla", bool, SlaConfig.protect_nodes)),
-        gpu=GpuConfig(external_mounts=tuple(mounts), lock_timeout_s=lock_timeout_s),
+        gpu=GpuConfig(external_mounts=tuple(mounts), lock_timeout_s=lock_timeout_s, on_mismatch=on_mismatch),
         testing=testing,
         source=source,
     )

@@ -14,8 +14,8 @@ serving untrusted local users needs:
   raises the exception class of the kind, so callers branch on classes (or `kind`), never on text;
 - `call` raises only `RpcError`s: transport faults (no socket, timeout, a garbled reply) too.
 
-Kinds: bad_request, too_large, forbidden, busy, conflict, unavailable, no_checkpoint, refused, failed
-(server side); unreachable, timeout, protocol (client side).
+Kinds: bad_request, too_large, forbidden, busy, conflict, unavailable, no_checkpoint, wrong_devices,
+refused, failed (server side); unreachable, timeout, protocol (client side).
 """
 
 from __future__ import annotations
@@ -132,6 +132,13 @@ class NoCheckpointFound(RemoteError):
     kind = "no_checkpoint"
 
 
+class WrongDevices(RemoteError):
+    """The job's devices on this node cannot take its checkpoint (GPUs of another type, an unhealthy
+    GPU): requeue it away from the node."""
+
+    kind = "wrong_devices"
+
+
 class Failed(RemoteError):
     """The server tried and failed (an internal error, CRIU, the store); the message says what."""
 
@@ -142,7 +149,8 @@ RequestError = RemoteError
 """What a handler raises for a request it cannot serve (the node agent's name for it)."""
 
 _CLASSES: dict[str, type[RemoteError]] = {cls.kind: cls for cls in (
-    RemoteError, BadRequest, TooLarge, Forbidden, Busy, Conflict, Unavailable, NoCheckpointFound, Failed)}
+    RemoteError, BadRequest, TooLarge, Forbidden, Busy, Conflict, Unavailable, NoCheckpointFound,
+    WrongDevices, Failed)}
 _CAUSES: tuple[tuple[type[BaseException], str], ...] = ((NoCheckpoint, NoCheckpointFound.kind),)
 
 

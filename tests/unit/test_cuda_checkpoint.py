@@ -138,12 +138,72 @@ def test_restore_on_other_gpus_maps_them_in_index_order() -> None:
 
 
 def test_restore_refuses_another_type_fewer_gpus_and_sick_ones() -> None:
-    with pytest.raises(GpuMismatch, match="ran on NVIDIA H200 and this job's GPU 0 is NVIDIA A100"):
+    with pytest.raises(GpuMismatch, match="ran on NVIDIA H200 and this job's GPU 0 is NVIDIA A100") as info:
         restore_pairs([gpu(0, 1)], [gpu(0, 5, "NVIDIA A100")])
-    with pytest.raises(GpuMismatch, match="state of 2 GPU\\(s\\) but the job has 1.*--gpus-per-node=2"):
+    assert info.value.elsewhere  # another node's GPUs may fit
+    fewer = "state of 2 GPU\\(s\\) but the job has 1.*--gpus-per-node=2"
+    with pytest.raises(GpuMismatch, match=fewer) as info:
         restore_pairs([gpu(0, 1), gpu(1, 2)], [gpu(0, 1)])
-    with pytest.raises(GpuMismatch, match="GPU 3 .* unhealthy: a row remapping failed"):
+    assert not info.value.elsewhere  # every node of the allocation has as few
+    with pytest.raises(GpuMismatch, match="GPU 3 .* unhealthy: a row remapping failed") as info:
         restore_pairs([gpu(0, 1)], [gpu(3, 4, problems=gpus.health_problems(0, False, True))])
+    assert info.value.elsewhere
+
+
+def engine_restoring(tmp_path, monkeypatch, on_mismatch: str, here: list[Gpu]):
+    """An engine of node n1 whose GPUs NVML reports as `here`, with a driver that needs no GPU."""
+    from singularity_slurm.checkpoint.store import CheckpointStore
+    from singularity_slurm.config import parse
+    from singularity_slurm.node.engine import CheckpointEngine
+
+    config = parse({"gpu": {"on_mismatch": on_mismatch}})
+    engine = CheckpointEngine(config, "n1", tmp_path, CheckpointStore(tmp_path / "store"), None, None)
+    engine.gpus = [g.index for g in here]
+    monkeypatch.setattr(cuda, "Driver", lambda lock_timeout_ms: "driver")
+    monkeypatch.setattr(gpus, "inventory", lambda indices: [g for g in here if g.index in indices])
+    return engine
+
+
+def gpu_manifest(ran_on: list[Gpu]):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(seq=7, meta={"cuda": {"gpus": [g.record() for g in ran_on]}})
+
+
+@pytest.mark.parametrize(("here", "waits"), [
+    ([gpu(0, 5, "NVIDIA A100")], True),  # another type: nodes with H200s can take it
+    ([gpu(0, 1, problems=("a row remapping failed (the GPU needs service)",))], True),  # a sick GPU
+    ([], False),  # too few GPUs: the same on every node of the allocation
+])
+def test_a_checkpoint_the_nodes_gpus_cannot_take_waits_for_other_nodes_or_is_refused(
+        tmp_path, monkeypatch, here: list[Gpu], waits: bool) -> None:
+    from singularity_slurm import rpc
+    from singularity_slurm.checkpoint.criu import RestoreFailed
+
+    engine = engine_restoring(tmp_path, monkeypatch, "wait", here)
+    with pytest.raises(rpc.WrongDevices if waits else RestoreFailed) as info:
+        engine._gpu_plan(gpu_manifest([gpu(0, 1)]))
+    if waits:
+        assert info.value.kind == "wrong_devices"
+        assert str(info.value).startswith("checkpoint 7 holds GPU state that the GPUs of n1 cannot take: ")
+
+
+def test_with_restart_a_mismatch_refuses_the_checkpoint_and_the_job_starts_over(
+        tmp_path, monkeypatch) -> None:
+    from singularity_slurm.checkpoint.criu import RestoreFailed
+
+    engine = engine_restoring(tmp_path, monkeypatch, "restart", [gpu(0, 5, "NVIDIA A100")])
+    refused = "^checkpoint 7 holds GPU state: the checkpoint ran on NVIDIA H200"
+    with pytest.raises(RestoreFailed, match=refused):
+        engine._gpu_plan(gpu_manifest([gpu(0, 1)]))
+
+
+def test_matching_gpus_of_another_node_restore_with_their_uuids_mapped(tmp_path, monkeypatch) -> None:
+    engine = engine_restoring(tmp_path, monkeypatch, "wait", [gpu(0, 9)])
+
+    driver, pairs = engine._gpu_plan(gpu_manifest([gpu(0, 1)]))
+
+    assert driver == "driver" and [(p.old_uuid[-1], p.new_uuid[-1]) for p in pairs] == [("1", "9")]
 
 
 def test_health_problems_from_nvml_counters() -> None:

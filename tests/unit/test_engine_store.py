@@ -259,3 +259,38 @@ def test_a_restore_reads_each_checkpoint_once_and_falls_back_past_a_corrupt_one(
     assert [r["seq"] for r in result["refused"]] == [2]
     assert "no longer matches its hash" in result["refused"][0]["reason"]
     assert (tmp_path / "work-1/images/pages-1.img").read_bytes() == b"a" * 8192
+
+
+class RecordingSlurm:
+    def __init__(self, record: dict):
+        self.record = record
+        self.requeued: list[int] = []
+
+    def job(self, job_id: int) -> dict:
+        return self.record
+
+    def requeue(self, job_id: int) -> bool:
+        self.requeued.append(job_id)
+        return True
+
+
+@pytest.mark.parametrize(("keep_excluded", "kept_off"), [
+    (True, "n1,n3,n2"),  # a node whose GPUs cannot take the checkpoint adds to the nodes it avoids
+    (False, "n2"),  # a migration leaves only the node it names
+])
+def test_a_requeue_keeps_the_job_off_the_nodes_it_avoided_already_when_told(
+        tmp_path: Path, monkeypatch, keep_excluded: bool, kept_off: str) -> None:
+    from singularity_slurm.config import parse
+    from singularity_slurm.node import engine as engine_module
+
+    slurm = RecordingSlurm({"Restarts": 2, "ExcNodeList": "n[1,3]"})
+    engine = CheckpointEngine(parse({}), "n2", tmp_path / "run", CheckpointStore(tmp_path / "store"), None,
+                              slurm)  # type: ignore[arg-type]
+    (tmp_path / "run").mkdir()
+    helpers: list[list[str]] = []
+    monkeypatch.setattr(engine_module.subprocess, "Popen", lambda argv, **kwargs: helpers.append(argv))
+
+    reply = engine.requeue(JOB, ["n2"], keep_excluded=keep_excluded)
+
+    assert slurm.requeued == [JOB] and reply["exclude"] == kept_off.split(",")
+    assert helpers[0][-1] == kept_off  # the helper that lifts the delay sets ExcNodeList to these

@@ -11,7 +11,9 @@ import pytest
 from singularity_slurm import rpc
 from singularity_slurm.config import parse
 from singularity_slurm.errors import NoCheckpoint
+from singularity_slurm.slurm_plugin import lifecycle
 from singularity_slurm.slurm_plugin.launcher import Launcher, LaunchError
+from singularity_slurm.slurm_plugin.lifecycle import Requeue, StartFailed
 
 JOB, NODE = 31, "n4"
 
@@ -62,6 +64,17 @@ def test_a_restore_refused_otherwise_is_an_error_even_if_its_words_mention_no_ch
     with pytest.raises(LaunchError) as caught:
         launcher.restore()
     assert caught.value.kind == "failed"
+
+
+def test_a_restore_onto_gpus_that_cannot_take_the_checkpoint_requeues_away_from_the_node(agent) -> None:
+    launcher = agent(refuse(rpc.WrongDevices("checkpoint 3 holds GPU state that the GPUs of n4 cannot take")))
+
+    launcher._launch(["python", "train.py"], resume=True)  # never starts the command from the beginning
+
+    event = launcher.events.get_nowait()
+    assert event == StartFailed("restore: checkpoint 3 holds GPU state that the GPUs of n4 cannot take",
+                                wrong_devices=(NODE,))
+    assert lifecycle.step(lifecycle.State(), event)[1][-1] == Requeue((NODE,), keep_excluded=True)
 
 
 def test_a_missing_agent_is_an_unreachable_launch_error(agent, tmp_path: Path) -> None:

@@ -68,6 +68,17 @@ def test_a_start_that_fails_requeues_the_job_saying_why() -> None:
     assert actions == [Say("the agent did not answer; requeueing the job"), Requeue()]
 
 
+def test_a_restore_onto_gpus_that_cannot_take_the_checkpoint_requeues_away_from_them() -> None:
+    state, actions = run(StartFailed("restore: checkpoint 7 holds GPU state that the GPUs of n1 cannot "
+                                     "take: ...", wrong_devices=("n1",)))
+
+    assert state.phase == Phase.REQUEUEING
+    assert actions == [
+        Say("restore: checkpoint 7 holds GPU state that the GPUs of n1 cannot take: ...; requeueing the "
+            "job away from n1: it waits for GPUs that can take its checkpoint (gpu.on_mismatch = wait)"),
+        Requeue(("n1",), keep_excluded=True)]
+
+
 def test_a_job_preempted_before_its_command_started_is_requeued_without_starting() -> None:
     state, actions = run(StartFailed("the job is being preempted"))
 
