@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .hal import BackendError, DeviceBackend
+from .hal import DeviceBackend
 
 
 class Fabric(Protocol):
@@ -149,46 +149,42 @@ def allreduce_shared(fabric: Fabric, backend: DeviceBackend, group: Group, tag: 
     done, with its reason, so every proxy returns and each raises.
     """
     proxies = group.proxies
+    peers = [p for p in proxies if p != fabric.me]
     first = next(iter(inputs.values()))
     announce = json.dumps({"count": first.size, "dtype": first.dtype.str,
                            "regions": {str(g): dict(ref) for g, ref in regions.items()}}).encode()
-    for peer in proxies:
-        if peer != fabric.me:
-            fabric.send(peer, f"{tag}:at", [announce])
+    for peer in peers:
+        fabric.send(peer, f"{tag}:at", [announce])
     arrays: dict[int, np.ndarray] = dict(inputs)
     errors: list[Exception] = []
-    for peer in proxies:
-        if peer == fabric.me:
-            continue
-        told = json.loads(bytes(fabric.take(f"{tag}:at", peer)))
-        if (told["count"], told["dtype"]) != (first.size, first.dtype.str):
-            errors.append(ValueError(f"ranks disagree on the element count or type ({first.size} of "
-                                     f"{first.dtype} here): proxy {peer}'s ranks have {told['count']} "
-                                     f"of {np.dtype(told['dtype'])}"))
-            continue
+    for peer in peers:
+        told = fabric.take(f"{tag}:at", peer)  # every peer's, whatever comes of the others
         try:
+            told = json.loads(bytes(told))
+            if (told["count"], told["dtype"]) != (first.size, first.dtype.str):
+                errors.append(ValueError(f"ranks disagree on the element count or type ({first.size} of "
+                                         f"{first.dtype} here): proxy {peer}'s ranks have "
+                                         f"{told['count']} of {np.dtype(told['dtype'])}"))
+                continue
             for g, ref in told["regions"].items():
                 arrays[int(g)] = attach(peer, int(g), ref, first.dtype, first.size)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             errors.append(ValueError(f"cannot attach proxy {peer}'s shared memory: {exc}"))
     if not errors:
         lo, hi = chunk_bounds(first.size, len(proxies))[group.position(fabric.me)]
         try:
             chunk = backend.reduce([arrays[g][lo:hi] for g in range(len(group.owners))], op)
-        except (BackendError, ValueError) as exc:
-            errors.append(exc)
-        else:
             for array in arrays.values():
                 array[lo:hi] = chunk
+        except Exception as exc:  # noqa: BLE001 - told to the peers, which wait for this proxy's word
+            errors.append(exc)
     done = json.dumps([str(exc) for exc in errors[:1]]).encode()
-    for peer in proxies:
-        if peer != fabric.me:
-            fabric.send(peer, f"{tag}:dn", [done])
-    for peer in proxies:
-        if peer != fabric.me:
-            theirs = json.loads(bytes(fabric.take(f"{tag}:dn", peer)))
-            if theirs:
-                errors.append(ValueError(f"proxy {peer}: {theirs[0]}"))
+    for peer in peers:
+        fabric.send(peer, f"{tag}:dn", [done])
+    for peer in peers:
+        theirs = json.loads(bytes(fabric.take(f"{tag}:dn", peer)))
+        if theirs:
+            errors.append(ValueError(f"proxy {peer}: {theirs[0]}"))
     if errors:
         raise errors[0]
 

@@ -98,6 +98,7 @@ class Pending:
     entries: dict[int, tuple[Session, dict]] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    lost: bool = False  # a peer proxy went away: every member waits, as the one running it does
     first_at: float = field(default_factory=time.monotonic)
 
 
@@ -151,6 +152,7 @@ class Proxy:
         # Peers on this host attach the members' regions (proxy.shared): which host each proxy is on.
         self.host = shared.host_identity() if self.limits.shared_memory else None
         self.peer_hosts: dict[str, str | None] = {}
+        self.peer_pids: dict[str, int] = {}  # what a peer's region announcements must name
         self.shares_memory: dict[str, bool] = {}  # by communicator, for this generation
         self.peer_regions = shared.PeerRegions()
 
@@ -167,7 +169,7 @@ class Proxy:
         with self.cond:
             self.generation = generation
             self.placement = dict(placement)
-            self.groups, self.peer_hosts, self.shares_memory = {}, {}, {}
+            self.groups, self.peer_hosts, self.peer_pids, self.shares_memory = {}, {}, {}, {}
             self.local_ranks = [r for r in ranks if placement[r] == self.id]
             self.proxies = list(collectives.Group("world", tuple(placement[r] for r in ranks)).proxies)
             self.leader = self.proxies[0] if self.proxies else None
@@ -224,7 +226,7 @@ class Proxy:
     def _learn_hosts(self, mesh: Mesh, generation: str | None, peers: list[str], timeout: float) -> None:
         """Tell every peer which host this proxy is on, and wait until each has told its own."""
         for peer in peers:
-            mesh.control(peer, {"ctl": "host", "host": self.host})
+            mesh.control(peer, {"ctl": "host", "host": self.host, "pid": os.getpid()})
         deadline = time.monotonic() + timeout
         with self.cond:
             while not set(peers) <= set(self.peer_hosts):
@@ -246,7 +248,11 @@ class Proxy:
         return found
 
     def _attach(self, peer: str, member: int, ref: dict, dtype: np.dtype, count: int) -> np.ndarray:
-        return self.peer_regions.array(peer, member, shared.RegionRef.of_record(ref), dtype, count)
+        region = shared.RegionRef.of_record(ref)
+        if region.pid != self.peer_pids.get(peer):
+            raise ValueError(f"proxy {peer} announced a region of pid {region.pid}, not its own "
+                             f"({self.peer_pids.get(peer)})")
+        return self.peer_regions.array(peer, region, shared.region_name(self.job_id), dtype, count)
 
     def max_mesh_payload(self) -> int:
         """The largest frame payload a peer proxy may send: every rank's region at most, plus
@@ -315,7 +321,7 @@ class Proxy:
             raise ProxyError(f"a shared region of {nbytes} bytes is not between 0 and the {limit} bytes "
                              f"the admin allows (proxy.max_region_mib = {self.limits.max_region_mib}): "
                              "move less data per collective call")
-        return self.device.region(nbytes)
+        return self.device.region(nbytes, shared.region_name(self.job_id))
 
     def _serve(self, rank: int, sock: socket.socket) -> None:
         try:
@@ -549,10 +555,18 @@ class Proxy:
                 self._collective(group, f"{channel}:{seq}", pending)
             except (BackendError, ProxyError, ValueError) as exc:
                 pending.error = str(exc)
+            except MeshError:
+                pending.lost = True
+                raise
+            except Exception as exc:  # noqa: BLE001 - every local member is told, none gets a partial result
+                LOG.exception("job %s proxy %s: collective %s:%s failed", self.job_id, self.id, channel, seq)
+                pending.error = f"internal error of the proxy: {type(exc).__name__}: {exc}"
             finally:
                 pending.done.set()
         else:
             pending.done.wait()
+        if pending.lost:
+            raise MeshError("lost a peer proxy during the collective")
         if pending.error:
             raise ProxyError(pending.error)
 
@@ -718,9 +732,11 @@ class Proxy:
     def _on_control(self, sender: str, message: dict) -> None:
         kind = message.get("ctl")
         if kind == "host":
-            host = message.get("host")
+            host, pid = message.get("host"), message.get("pid")
             with self.cond:
                 self.peer_hosts[sender] = host if isinstance(host, str) else None
+                if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+                    self.peer_pids[sender] = pid
                 self.cond.notify_all()
         elif kind == "drain_request" and self.id == self.leader:
             with self.cond:

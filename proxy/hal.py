@@ -17,6 +17,7 @@ bfloat16 (to nearest, ties to even, as torch converts). float16 reduces in float
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from collections.abc import Sequence
@@ -69,7 +70,7 @@ class DeviceBackend(Protocol):
     name: str
     exclusive: bool  # its ranks must take turns when they share it (a GPU); CPU slots need not
 
-    def region(self, nbytes: int) -> Region: ...
+    def region(self, nbytes: int, name: str = MEMFD_NAME) -> Region: ...
 
     def reduce(self, parts: Sequence[np.ndarray], op: str) -> np.ndarray: ...
 
@@ -87,11 +88,14 @@ class HostBackend:
     name = "host"
     exclusive = False
 
-    def region(self, nbytes: int) -> Region:
+    def region(self, nbytes: int, name: str = MEMFD_NAME) -> Region:
+        """A memfd of whole MiB, sealed at its size: whoever holds it (the worker) can neither shrink
+        it under the proxies that map it (they would fault) nor grow it."""
         size = max(MIN_REGION, -(-nbytes // MIN_REGION) * MIN_REGION)
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             return Region(fd, size, mmap.mmap(fd, size), os.fstat(fd).st_ino)
         except OSError:
             os.close(fd)

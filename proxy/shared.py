@@ -5,7 +5,9 @@ ranks' data over the mesh: a proxy can attach the shared-memory regions its peer
 and reduce straight from them (`collectives.allreduce_shared`). A peer tells where a region is as a
 `RegionRef`: its pid and the number of the descriptor it keeps open on the region's memfd, with the
 inode and size, so the region is opened again through /proc/PID/fd/FD, which only root may do, and
-checked to be that very memfd before it is mapped.
+checked to be that very memfd, named for this job, before it is mapped; the pid must be the one the
+peer gave when it said which host it runs on. A region is sealed at its size (hal), so no holder
+can shrink it under a proxy that maps it.
 
 Which peers share this host is decided from a `host_identity` each proxy announces once per
 generation: the kernel's boot id and the proxy's PID namespace (the /proc paths of one proxy mean the
@@ -19,6 +21,7 @@ import mmap
 import os
 import stat
 import threading
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,13 +57,18 @@ def host_identity() -> str | None:
     return f"{boot} {pidns}"
 
 
-def attach(ref: RegionRef) -> mmap.mmap:
-    """Map a peer's region read-write, once it is shown to be the memfd the peer named."""
+def region_name(job_id: int | str) -> str:
+    """The name of a job's regions' memfds: a peer attaches only its own job's."""
+    return f"{MEMFD_NAME}-job{job_id}"
+
+
+def attach(ref: RegionRef, name: str) -> mmap.mmap:
+    """Map a peer's region read-write, once it is shown to be the memfd `name` the peer announced."""
     path = f"/proc/{ref.pid}/fd/{ref.fd}"
     target = os.readlink(path)
-    if not target.startswith(f"/memfd:{MEMFD_NAME}"):
-        raise ValueError(f"{path} is {target}, not a proxy's shared region")
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    if target != f"/memfd:{name} (deleted)":
+        raise ValueError(f"{path} is {target}, not a shared region of this job's proxies")
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_ino != ref.ino or info.st_size != ref.size:
@@ -72,30 +80,34 @@ def attach(ref: RegionRef) -> mmap.mmap:
 
 
 class PeerRegions:
-    """The regions of peer proxies' members this proxy has attached, one per (peer, member): a
-    member's newer region replaces its older one."""
+    """The regions of peer proxies' members this proxy has attached, by peer and region: the
+    `per_peer` most recently used of each peer stay mapped (a peer's ranks' regions, and the ones
+    they had before a new `map` or a cut), so an operation maps nothing new in the steady state."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_peer: int = 16) -> None:
+        self.per_peer = per_peer
         self.lock = threading.Lock()
-        self.maps: dict[tuple[str, int], tuple[RegionRef, mmap.mmap]] = {}
+        self.maps: dict[str, OrderedDict[RegionRef, mmap.mmap]] = {}
 
-    def array(self, peer: str, member: int, ref: RegionRef, dtype: np.dtype, count: int) -> np.ndarray:
+    def array(self, peer: str, ref: RegionRef, name: str, dtype: np.dtype, count: int) -> np.ndarray:
         """The first `count` elements of `dtype` of the region."""
         if count * dtype.itemsize > ref.size:
-            raise ValueError(f"proxy {peer}'s region for rank {member} holds {ref.size} bytes, "
-                             f"not {count} elements of {dtype}")
+            raise ValueError(f"proxy {peer}'s region holds {ref.size} bytes, not {count} elements of {dtype}")
         with self.lock:
-            held = self.maps.get((peer, member))
-            if held is None or held[0] != ref:
-                if held is not None:
-                    _unmap(held[1])
-                held = self.maps[(peer, member)] = (ref, attach(ref))
-        return np.frombuffer(held[1], dtype=dtype, count=count)
+            held = self.maps.setdefault(peer, OrderedDict())
+            region = held.get(ref)
+            if region is None:
+                region = held[ref] = attach(ref, name)
+                while len(held) > self.per_peer:
+                    _unmap(held.popitem(last=False)[1])
+            held.move_to_end(ref)
+            return np.frombuffer(region, dtype=dtype, count=count)
 
     def close(self) -> None:
         with self.lock:
-            for _ref, region in self.maps.values():
-                _unmap(region)
+            for held in self.maps.values():
+                for region in held.values():
+                    _unmap(region)
             self.maps.clear()
 
 
@@ -103,4 +115,4 @@ def _unmap(region: mmap.mmap) -> None:
     try:
         region.close()
     except BufferError:
-        pass  # an array still views it: the mapping goes with the array
+        pass  # an array still views it (an operation under way): the mapping goes with the array

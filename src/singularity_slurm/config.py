@@ -156,8 +156,10 @@ class SlaConfig:
 
 
 TIME_SLICING = ("auto", "turns", "concurrent")
-PROXY_BACKENDS = ("auto", "cuda", "host")
 """The values of `proxy.time_slicing` (`singularity_slurm.proxy.turns.Slicing`)."""
+
+PROXY_BACKENDS = ("auto", "cuda", "host")
+"""The values of `proxy.backend`: auto is cuda for a GPU NVML sees, host otherwise."""
 
 MAX_MMAP_THRESHOLD = 32 << 20
 """glibc's largest mmap threshold on 64-bit systems (HEAP_MAX_SIZE / 2); it ignores larger values."""

@@ -261,8 +261,9 @@ def shared_memory_allreduce(placement: tuple[str, ...], regions: list[np.ndarray
                             attach_fails: str | None = None) -> dict[str, object]:
     """allreduce_shared on every proxy, each member's region standing in as `regions[g]`; a peer's
     region is attached by its announced name (`attach_fails`: the proxy that cannot attach any).
-    What each proxy returned or raised."""
-    def collective(fabric: MemoryFabric, group: Group, local: dict[int, np.ndarray]) -> None:
+    What each proxy returned or raised: on success, its own members' regions as they were the moment
+    it returned (its workers read them then)."""
+    def collective(fabric: MemoryFabric, group: Group, local: dict[int, np.ndarray]) -> dict[int, bytes]:
         def attach(peer: str, member: int, ref: dict, dtype: np.dtype, count: int) -> np.ndarray:
             assert ref == {"region": member} and peer == group.owners[member]
             if fabric.me == attach_fails:
@@ -271,6 +272,7 @@ def shared_memory_allreduce(placement: tuple[str, ...], regions: list[np.ndarray
 
         collectives.allreduce_shared(fabric, HostBackend(), group, "t:1", local, op,
                                      {g: {"region": g} for g in local}, attach)
+        return {g: region.tobytes() for g, region in local.items()}
 
     return outcomes_on_proxies(placement, regions, collective)
 
@@ -287,10 +289,11 @@ def test_allreduce_in_shared_memory_gives_the_rank_order_bits_on_every_placement
     expected = in_rank_order(inputs, op)
     regions = [x.copy() for x in inputs]
 
-    shared_memory_allreduce(placement, regions, op)
+    outcomes = shared_memory_allreduce(placement, regions, op)
 
-    for g, region in enumerate(regions):
-        assert region.tobytes() == expected.tobytes(), f"rank {g}"
+    assert failures(outcomes) == {}
+    seen = {g: bits for result in outcomes.values() for g, bits in result.items()}  # type: ignore[union-attr]
+    assert seen == {g: expected.tobytes() for g in range(4)}  # complete when each proxy returned
 
 
 def test_allreduce_in_shared_memory_of_ranks_that_disagree_on_the_count_fails_on_every_proxy() -> None:

@@ -131,6 +131,15 @@ def strided():
     return big.tolist()
 
 
+def in_issue_order():
+    """A broadcast issued after an async allreduce of the same strided tensor sends its result."""
+    t = (torch.arange(6.0).reshape(2, 3) * (rank + 1)).t()
+    work = dist.all_reduce(t, async_op=True)
+    dist.broadcast(t, src=0)
+    work.wait()
+    return t.tolist()
+
+
 def subgroup():
     pair = dist.new_group([0, world - 1])
     if rank not in (0, world - 1):
@@ -161,7 +170,8 @@ if mode == "ops":
                      ("min", ReduceOp.MIN), ("product", ReduceOp.PRODUCT)):
         record(name, lambda: reduced(op))
     for operation in (int64_sum, broadcast, all_gather, all_gather_into_tensor, reduce_scatter,
-                      reduce_scatter_tensor, barrier, ring, transposed, strided, subgroup, gather, bfloat16,
+                      reduce_scatter_tensor, barrier, ring, transposed, strided, in_issue_order, subgroup,
+                      gather, bfloat16,
                       recv_any):
         record(operation.__name__, operation)
 elif mode == "idle":
@@ -310,6 +320,7 @@ def test_torch_collectives_through_proxies_give_exact_results(ops_results: dict[
             "ring": [1.5 * ((rank - 1) % 3)],
             "transposed": [(np.arange(12.0).reshape(3, 4) * 6).T.tolist(), False],
             "strided": [[6.0, -1.0] * 3] * 2,
+            "in_issue_order": (np.arange(6.0).reshape(2, 3) * 6).T.tolist(),
             "subgroup": [4.0] if rank in (0, 2) else None,
             "gather": [[0.25], [1.25], [2.25]] if rank == 1 else None,
             "bfloat16": [3.0, 0.0234375],

@@ -36,6 +36,19 @@ def test_a_strided_tensors_stand_in_is_contiguous_and_its_result_goes_back() -> 
     assert tensor.tolist() == (-torch.arange(12.0).reshape(3, 4).t()).tolist()
 
 
+def test_a_pure_outputs_stand_in_is_made_without_reading_it_and_its_result_goes_back() -> None:
+    tensor = torch.full((3, 4), 5.0).t()
+
+    with backend._Staged(tensor, copy_in=False) as work:
+        assert work is not tensor and work.is_contiguous() and work.shape == tensor.shape
+        work.fill_(2.0)  # what the proxy writes: all of it
+
+    assert tensor.tolist() == [[2.0] * 3] * 4
+    contiguous = torch.zeros(4)
+    with backend._Staged(contiguous, copy_in=False) as work:
+        assert work is contiguous  # written in place
+
+
 def test_a_failed_operation_leaves_the_scripts_tensor_as_it_was() -> None:
     tensor = torch.arange(12.0).reshape(3, 4).t()
 

@@ -251,18 +251,24 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 
 class _Staged:
     """A contiguous host stand-in for a tensor (the tensor itself where it is one), copied back on
-    exit when it had to be made: a copy for a strided CPU tensor, the values of a CUDA tensor."""
+    exit when it had to be made and the operation succeeded. It starts with the tensor's values, or,
+    for a pure output (`copy_in=False`), uninitialised: the proxy's result fills all of it."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, copy_in: bool = True):
         self.tensor = tensor
-        self.work = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() else _host(tensor)
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            self.work = tensor
+        elif copy_in:
+            self.work = _host(tensor)
+        else:
+            self.work = torch.empty(tensor.shape, dtype=tensor.dtype)
 
     def __enter__(self) -> torch.Tensor:
         return self.work
 
     def __exit__(self, *exc) -> None:
         if self.work is not self.tensor and exc[0] is None:
-            self.tensor.copy_(self.work)  # from pageable host memory: done on return
+            self.tensor.copy_(self.work)  # not non_blocking: done on the device when it returns
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -302,12 +308,22 @@ class SingularityProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     def _run(self, op: str, tensor: torch.Tensor, out: torch.Tensor | None = None, **meta) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        out = tensor if out is None else out
-        out_bytes = out.numel() * out.element_size()
+        """`op` on the queue's thread, after everything issued before it: `tensor` in, the result
+        into `out` (`tensor` itself by default), each staged there, where the earlier operations
+        have written them."""
         message = {"op": op, "comm": self.comm, "dtype": _dtype(tensor), "count": tensor.numel(), **meta}
-        _QUEUE.run(lambda: self.client.call(message, [_span(tensor)] if nbytes else [],
-                                            [_span(out)] if out_bytes else [], max(nbytes, out_bytes)))
+        ready = _recorded([tensor] if out is None else [tensor, out])
+
+        def action() -> None:
+            ready()
+            with _Staged(tensor) as src:
+                if out is None:
+                    self._call(message, [src], [src])
+                    return
+                with _Staged(out, copy_in=False) as dst:
+                    self._call(message, [src], [dst])
+
+        _QUEUE.run(action)
 
     def _call(self, message: dict, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """One request from the queue's thread: `inputs` back to back in, `outputs` back to back out."""
@@ -340,8 +356,10 @@ class SingularityProcessGroup(dist.ProcessGroup):
         def reduce_all():
             ready()
             for tensor in tensors:
+                message = {"op": "allreduce", "comm": self.comm, "dtype": _dtype(tensor),
+                           "count": tensor.numel(), "reduce": reduce}
                 with _Staged(tensor) as work:
-                    self._run("allreduce", work, reduce=reduce)
+                    self._call(message, [work], [work])
             return tensors
 
         return _QUEUE.start(reduce_all, self.client.sliced, _cuda(tensors))
@@ -366,18 +384,14 @@ class SingularityProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
-        _recorded(tensors)()
         for tensor in tensors:
-            with _Staged(tensor) as work:
-                self._run("broadcast", work, root=root)
+            self._run("broadcast", tensor, root=root)
         return _done(tensors, _cuda(tensors))
 
     def _gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
-        with _Staged(tensor) as src, _Staged(out) as dst:
-            self._run("allgather", src, out=dst)
+        self._run("allgather", tensor, out=out)
 
     def allgather(self, output_lists, inputs, opts=None):
-        _recorded(inputs)()
         for outputs, tensor in _pairs(output_lists, inputs, "allgather"):
             flat = torch.empty((self.size(), *tensor.shape), dtype=tensor.dtype)
             self._gather_into(flat, tensor)
@@ -386,12 +400,10 @@ class SingularityProcessGroup(dist.ProcessGroup):
         return _done(output_lists, _cuda([t for outputs in output_lists for t in outputs]))
 
     def _allgather_base(self, output, tensor, opts=None):
-        _recorded([tensor])()
         self._gather_into(output, tensor)
         return _done([output], _cuda([output]))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        _recorded(inputs)()
         for output, tensor in _pairs(outputs, inputs, "allgather_into_tensor_coalesced"):
             self._gather_into(output, tensor)
         return _done(outputs, _cuda(outputs))
@@ -403,7 +415,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
         outputs = _one(output_tensors, "gather") if self.rank() == message["root"] else None
         if outputs is not None:
             self._same_shape(outputs, tensor, "gather")
-        ready = _recorded([tensor])
+        ready = _recorded([tensor, *(outputs or ())])
 
         def run():
             ready()
@@ -422,29 +434,37 @@ class SingularityProcessGroup(dist.ProcessGroup):
         inputs = _one(input_tensors, "scatter") if self.rank() == message["root"] else None
         if inputs is not None:
             self._same_shape(inputs, out, "scatter")
-        ready = _recorded(inputs or [])
+        ready = _recorded([*(inputs or ()), out])
 
         def run():
             ready()
             flat = [_host(torch.cat([t.reshape(-1) for t in inputs]))] if inputs else []
-            with _Staged(out) as dst:
+            with _Staged(out, copy_in=False) as dst:
                 self._call(message, flat, [dst])
             return output_tensors
 
         return _QUEUE.start(run, self.client.sliced, _cuda([out]))
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        _recorded([t for inputs in input_lists for t in inputs])()
-        for out, inputs in _pairs(outputs, input_lists, "reduce_scatter"):
-            flat = _host(torch.cat([t.reshape(-1) for t in inputs]))
-            with _Staged(out) as dst:
-                self._run("reduce_scatter", flat, out=dst, reduce=_reduce_name(opts))
+        reduce, pairs = _reduce_name(opts), _pairs(outputs, input_lists, "reduce_scatter")
+        for out, _ in pairs:
+            _dtype(out)
+        ready = _recorded([*outputs, *(t for inputs in input_lists for t in inputs)])
+
+        def run() -> None:
+            ready()
+            for out, inputs in pairs:  # concatenated here: after the operations issued before
+                flat = _host(torch.cat([t.reshape(-1) for t in inputs]))
+                message = {"op": "reduce_scatter", "comm": self.comm, "dtype": _dtype(flat),
+                           "count": flat.numel(), "reduce": reduce}
+                with _Staged(out, copy_in=False) as dst:
+                    self._call(message, [flat], [dst])
+
+        _QUEUE.run(run)
         return _done(outputs, _cuda(outputs))
 
     def _reduce_scatter_base(self, output, tensor, opts=None):
-        _recorded([tensor])()
-        with _Staged(tensor) as src, _Staged(output) as dst:
-            self._run("reduce_scatter", src, out=dst, reduce=_reduce_name(opts))
+        self._run("reduce_scatter", tensor, out=output, reduce=_reduce_name(opts))
         return _done([output], _cuda([output]))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -458,11 +478,11 @@ class SingularityProcessGroup(dist.ProcessGroup):
         message = {"op": "alltoall", "comm": self.comm, "dtype": _dtype(input),
                    "send": _split_counts(input, input_split_sizes, self.size(), "input"),
                    "recv": _split_counts(output, output_split_sizes, self.size(), "output")}
-        ready = _recorded([input])
+        ready = _recorded([input, output])
 
         def run():
             ready()
-            with _Staged(output) as dst:
+            with _Staged(output, copy_in=False) as dst:
                 self._call(message, [_host(input)], [dst])
             return [output]
 
@@ -478,7 +498,7 @@ class SingularityProcessGroup(dist.ProcessGroup):
                 raise ProxyError(f"all_to_all: mixed dtypes {t.dtype} and {input_tensors[0].dtype}")
         message = {"op": "alltoall", "comm": self.comm, "dtype": dtype,
                    "send": [t.numel() for t in input_tensors], "recv": [t.numel() for t in output_tensors]}
-        ready = _recorded(input_tensors)
+        ready = _recorded([*input_tensors, *output_tensors])
 
         def run():
             ready()
@@ -512,19 +532,30 @@ class SingularityProcessGroup(dist.ProcessGroup):
     # --- point to point ---------------------------------------------------------------------------
 
     def send(self, tensors, dstRank, tag=0):
-        _recorded(tensors)()
-        for tensor in tensors:
-            with _Staged(tensor) as work:
-                self._run("send", work, peer=dstRank)
+        messages = [{"op": "send", "comm": self.comm, "dtype": _dtype(t), "count": t.numel(), "peer": dstRank}
+                    for t in tensors]
+        ready = _recorded(tensors)
+
+        def run() -> None:
+            ready()
+            for message, tensor in zip(messages, tensors):
+                self._call(message, [_host(tensor)], [])  # nothing comes back into a sent tensor
+
+        _QUEUE.run(run)
         return _done(tensors, _cuda(tensors))
 
     def recv(self, tensors, srcRank, tag=0):
-        for tensor in tensors:
-            with _Staged(tensor) as work:
-                message = {"op": "recv", "comm": self.comm, "dtype": _dtype(work), "count": work.numel(),
-                           "peer": srcRank}
-                span, nbytes = _span(work), work.numel() * work.element_size()
-                _QUEUE.run(lambda m=message, sp=span, n=nbytes: self.client.call(m, [], [sp], n))
+        messages = [{"op": "recv", "comm": self.comm, "dtype": _dtype(t), "count": t.numel(), "peer": srcRank}
+                    for t in tensors]
+        ready = _recorded(tensors)
+
+        def run() -> None:
+            ready()
+            for message, tensor in zip(messages, tensors):
+                with _Staged(tensor, copy_in=False) as work:
+                    self._call(message, [], [work])
+
+        _QUEUE.run(run)
         return _done(tensors, _cuda(tensors))
 
     def _unsupported(self, name, why=""):
