@@ -166,6 +166,9 @@ def allreduce_shared(fabric: Fabric, backend: DeviceBackend, group: Group, tag: 
                                          f"{first.dtype} here): proxy {peer}'s ranks have "
                                          f"{told['count']} of {np.dtype(told['dtype'])}"))
                 continue
+            if sorted(int(g) for g in told["regions"]) != list(group.members_of(peer)):
+                raise ValueError(f"it announced the regions of ranks {sorted(told['regions'])}, not of "
+                                 f"its members {list(group.members_of(peer))}")
             for g, ref in told["regions"].items():
                 arrays[int(g)] = attach(peer, int(g), ref, first.dtype, first.size)
         except (OSError, ValueError, KeyError, TypeError) as exc:
