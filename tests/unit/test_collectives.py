@@ -316,6 +316,25 @@ def test_allreduce_in_shared_memory_fails_on_every_proxy_when_one_cannot_attach_
         "c": "ValueError: cannot attach proxy a's shared memory: no access to a's /proc"}
 
 
+def test_a_peer_announcing_other_ranks_than_its_own_members_fails_the_allreduce_on_every_proxy() -> None:
+    regions = [np.ones(4, np.float32), np.ones(4, np.float32)]
+    group = Group("world", ("a", "b"))
+
+    def collective(fabric: MemoryFabric, grp: Group, local: dict[int, np.ndarray]) -> None:
+        announced = {0: {"region": 0}} if fabric.me == "b" else {g: {"region": g} for g in local}  # b lies
+        collectives.allreduce_shared(fabric, HostBackend(), grp, "t:1", local, "sum", announced,
+                                     lambda peer, member, ref, dtype, count: regions[member])
+
+    outcomes = outcomes_on_proxies(group.owners, regions, collective)
+
+    assert failures(outcomes) == {
+        "a": "ValueError: cannot attach proxy b's shared memory: it announced the regions of ranks ['0'], "
+             "not of its members [1]",
+        "b": "ValueError: proxy a: cannot attach proxy b's shared memory: it announced the regions of ranks "
+             "['0'], not of its members [1]"}
+    assert [r[:2].tolist() for r in regions] == [[1.0, 1.0]] * 2  # a, which refused, reduced nothing
+
+
 def test_allreduce_in_shared_memory_of_integers_refuses_avg_on_every_proxy() -> None:
     outcomes = shared_memory_allreduce(("a", "b"), [np.array([1, 2], np.int32), np.array([3, 4], np.int32)],
                                        "avg")
