@@ -790,6 +790,9 @@ class Proxy:
                 if self.phase == Phase.CUTTING:
                     self.phase = Phase.PARKED
                     self.log("cut reached in %.2fs", time.monotonic() - (self.cut_started or 0))
+                    # Every rank let go of its region; after the cut each maps a new one, so the
+                    # peers' old ones would only pin memory here.
+                    self.peer_regions.close()
                 self.cond.notify_all()
         elif kind == "abort_request" and self.id == self.leader:
             self.round = None

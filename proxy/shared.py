@@ -81,10 +81,11 @@ def attach(ref: RegionRef, name: str) -> mmap.mmap:
 
 class PeerRegions:
     """The regions of peer proxies' members this proxy has attached, by peer and region: the
-    `per_peer` most recently used of each peer stay mapped (a peer's ranks' regions, and the ones
-    they had before a new `map` or a cut), so an operation maps nothing new in the steady state."""
+    `per_peer` most recently used of each peer stay mapped (a peer's ranks' regions, and one they had
+    before a larger `map`), so an operation maps nothing new in the steady state. The proxy lets go of
+    all of them at a cut, after which every rank maps a new region."""
 
-    def __init__(self, per_peer: int = 16) -> None:
+    def __init__(self, per_peer: int = 8) -> None:
         self.per_peer = per_peer
         self.lock = threading.Lock()
         self.maps: dict[str, OrderedDict[RegionRef, mmap.mmap]] = {}

@@ -410,6 +410,9 @@ def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish
     assert {p.id: p.status()["phase"] for p in run.proxies.values()} == {"p0": "parked", "p1": "parked"}
     assert {p.id: p.status()["ranks"] for p in run.proxies.values()} == {
         "p0": {"0": "parked", "1": "parked"}, "p1": {"2": "parked"}}
+    # the proxies reduced from each other's regions, and let go of them at the cut
+    assert all(p.stats["allreduce"]["shared_memory"] > 0 and p.peer_regions.maps == {}
+               for p in run.proxies.values())
     for proxy in run.proxies.values():  # every rank did exactly the cut's number of operations
         for rank in proxy.local_ranks:
             assert proxy.issued[rank] == proxy.targets, f"rank {rank}"
