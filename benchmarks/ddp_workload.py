@@ -76,6 +76,9 @@ def main() -> int:
                         help="where the model trains: cpu (gloo) or cuda (NCCL, the first GPU it sees)")
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="device time added to every forward pass, without host CPU (a sleep)")
+    parser.add_argument("--device-mb", type=int, default=0,
+                        help="MiB of GPU memory each rank holds besides its model (--device cuda): ranks "
+                             "that share a GPU and do not fit on it together")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -97,6 +100,8 @@ def main() -> int:
     x = torch.randn(args.batch, args.hidden, generator=data).to(device)
     y = torch.randn(args.batch, 1, generator=data).to(device)
     device_s = args.device_ms / 1000
+    ballast = (torch.full((args.device_mb << 20,), 7, dtype=torch.uint8, device=device)
+               if cuda and args.device_mb else None)
 
     def now() -> float:
         if cuda:
@@ -136,7 +141,8 @@ def main() -> int:
         loss = torch.nn.functional.mse_loss(model(x), y).item()
     result = {"rank": rank, "world_size": world, "backend": str(dist.get_backend()), "pid": os.getpid(),
               "device": args.device, "hidden": args.hidden, "layers": args.layers, "batch": args.batch,
-              "device_ms": args.device_ms,
+              "device_ms": args.device_ms, "device_mb": args.device_mb,
+              "ballast_intact": None if ballast is None else bool(ballast.eq(7).all().item()),
               "params": params,
               "grad_bytes": params * 4, "warmup": args.warmup, "loop_s": loop_s, "loss": loss,
               "step_s": [t[0] for t in timed], "forward_s": [t[1] for t in timed],

@@ -90,6 +90,9 @@ class Settings:
     modes: tuple[str, ...] = (GLOO, PROXY)
     gpus: int = 0  # GPUs this machine has (--device cuda)
     shared_memory: bool = True  # the proxies' proxy.shared_memory
+    gpu_swap: str | None = None  # the proxies' proxy.gpu_swap (None: the configuration's)
+    device_mb: int = 0  # GPU memory each rank holds besides its model (--device cuda)
+    gpu_swap_reserve_mib: int | None = None  # the proxies' proxy.gpu_swap_reserve_mib
 
     @property
     def baseline(self) -> str:
@@ -143,6 +146,8 @@ def settings_problems(s: Settings) -> list[str]:
         found.append("--steps and --rounds must be at least 1")
     if s.warmup < 0 or s.compute_steps < 0:
         found.append("--warmup and --compute-steps must be >= 0")
+    if s.device_mb < 0 or (s.device_mb and s.device != "cuda"):
+        found.append("--device-mb takes MiB >= 0 of GPU memory, with --device cuda")
     return found
 
 
@@ -278,10 +283,15 @@ class Runner:
             argv = [*self.s.proxy_cmd, "--job-id", str(job_id), "--uid", str(os.getuid()), "--id", pid,
                     "--socket", str(sock), "--rendezvous-dir", str(folder / "rendezvous"),
                     "--advertise", "127.0.0.1", "--backend", "cuda" if self.s.device == "cuda" else "host"]
+            if self.s.gpu_swap:
+                argv += ["--gpu-swap", self.s.gpu_swap]
             env = dict(os.environ)
-            if not self.s.shared_memory:  # the proxies read the configuration this names
+            settings = ([] if self.s.shared_memory else ["shared_memory = false"]) + (
+                [] if self.s.gpu_swap_reserve_mib is None else
+                [f"gpu_swap_reserve_mib = {self.s.gpu_swap_reserve_mib}"])
+            if settings:  # the proxies read the configuration this names
                 config = folder / "proxy-config.toml"
-                config.write_text("[proxy]\nshared_memory = false\n")
+                config.write_text("[proxy]\n" + "".join(f"{line}\n" for line in settings))
                 env["SINGULARITY_CONFIG"] = str(config)
             proxies[pid] = (self.spawn(argv, env, folder / f"{pid}.log"), sock)
         deadline = time.monotonic() + 30
@@ -330,7 +340,7 @@ class Runner:
             argv = [s.python, str(WORKLOAD), "--sync-dir", str(folder), "--hidden", str(hidden),
                     "--layers", str(s.layers), "--batch", str(s.batch), "--steps", str(s.steps),
                     "--warmup", str(s.warmup), "--compute-steps", str(s.compute_steps),
-                    "--bucket-mb", str(s.bucket_mb), "--device", s.device]
+                    "--bucket-mb", str(s.bucket_mb), "--device", s.device, "--device-mb", str(s.device_mb)]
             workers = [self.spawn(argv, env, folder / f"rank-{r}.log") for r, env in enumerate(envs)]
             deadline = started + self.s.run_timeout
             snapshots: list[dict[str, dict]] = []
@@ -358,6 +368,10 @@ class Runner:
             why = "did not load" if mode == PROXY else "leaked into the baseline run"
             raise BenchmarkError(f"{mode} run used backend {wrong}, not {self.s.backend_name(mode)}: the "
                                  f"proxy hook {why}")
+        broken = [r["rank"] for r in ranks if r.get("ballast_intact") is False]
+        if broken:
+            raise BenchmarkError(f"{mode} run: the GPU memory of rank(s) {broken} (--device-mb) changed "
+                                 "while they ran: it did not come back as it went out")
         run = summarize_ranks(Run(rnd, hidden, mode, position, wall_s=round(wall, 2)), ranks)
         if snapshots:
             before, after = snapshots
@@ -639,6 +653,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shared-memory", choices=("on", "off"), default=_env("shared_memory", "on"),
                         help="the proxies' proxy.shared_memory: on, proxies of this host reduce from each "
                              "other's regions; off, they exchange over the mesh (loopback TCP)")
+    parser.add_argument("--gpu-swap", choices=("auto", "always", "never"), default=_env("gpu_swap", None),
+                        help="the proxies' proxy.gpu_swap (--device cuda): when a waiting rank's GPU memory "
+                             "moves to host memory (default: the configuration's, auto)")
+    parser.add_argument("--gpu-swap-reserve-mib", type=int, default=None,
+                        help="the proxies' proxy.gpu_swap_reserve_mib: GPU memory auto keeps free beyond "
+                             "what the next rank needs (set it near the GPU's size to have auto move memory "
+                             "where ranks would fit)")
+    parser.add_argument("--device-mb", type=int, default=int(_env("device_mb", 0)),
+                        help="MiB of GPU memory each rank holds besides its model (--device cuda), so that "
+                             "ranks sharing a GPU do not fit on it together")
     parser.add_argument("--modes", default=_env("modes", f"{GLOO},{PROXY}"),
                         help=f"modes to run, comma-separated: {GLOO} (the baseline backend, NCCL with "
                              f"--device cuda) and {PROXY}")
@@ -683,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(args.world_size, args.proxies, parse_sizes(args.hidden), args.layers, args.batch,
                             args.steps, args.warmup, args.compute_steps, args.rounds, args.bucket_mb,
                             args.run_timeout, sys.executable, proxy_cmd, args.device, modes,
-                            _gpus() if args.device == "cuda" else 0, args.shared_memory == "on")
+                            _gpus() if args.device == "cuda" else 0, args.shared_memory == "on",
+                            args.gpu_swap, args.device_mb, args.gpu_swap_reserve_mib)
         if problems := settings_problems(settings):
             raise BenchmarkError("; ".join(problems))
         if os.geteuid() != 0:
@@ -708,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": stamp, "host": socket.gethostname(), "cpus": os.cpu_count(), "commit": _git_commit(),
             "python": platform.python_version(), "torch": torch.__version__,
             "device": settings.device, "world size": settings.world_size, "proxies": settings.proxies,
-            "proxies share memory": args.shared_memory,
+            "proxies share memory": args.shared_memory, "gpu swap": args.gpu_swap or "configured",
+            "device MiB per rank": args.device_mb,
             "placement": " ".join(f"{r}:{p}" for r, p in
                                   placement(settings.world_size, settings.proxies).items()),
             "layers": settings.layers, "batch": settings.batch, "steps": settings.steps,

@@ -62,6 +62,16 @@ def holds_device(maps: str) -> bool:
     return False
 
 
+def loads_cuda(maps: str) -> bool:
+    """Whether a process's /proc/PID/maps text maps the CUDA driver library: a process that may hold
+    CUDA state, on the GPU or (checkpointed) in its own memory."""
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].rsplit("/", 1)[-1].startswith("libcuda.so"):
+            return True
+    return False
+
+
 def namespace_pid(status: str) -> int | None:
     """A process's pid in its innermost PID namespace, from its /proc/PID/status text (NSpid's last
     field): what stays the same across a criu restore, where the host pid changes."""
@@ -213,6 +223,33 @@ def gpu_tasks(pids: Iterable[int]) -> list[int]:
                 if holds_device(maps.read()):
                     found.append(pid)
         except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def cuda_tasks(pids: Iterable[int]) -> list[int]:
+    """The processes among `pids` that map the CUDA driver's library (they may hold CUDA state)."""
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                if loads_cuda(maps.read()):
+                    found.append(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
+def checkpointed_tasks(driver: Driver, pids: Iterable[int]) -> list[int]:
+    """The processes among `pids` whose GPU state is checkpointed in their own memory while they run
+    on: ranks sharing a GPU whose proxy moved their memory out while they wait (proxy.swap). One the
+    driver knows nothing of (no CUDA context: a forked DataLoader worker) is not among them."""
+    found = []
+    for pid in pids:
+        try:
+            if driver.state(pid) == CHECKPOINTED:
+                found.append(pid)
+        except CudaCheckpointFailed:
             continue
     return found
 

@@ -300,7 +300,7 @@ class AgentState:
                     if self.stopping:
                         raise rpc.Unavailable(f"the agent of job {self.job_id} on {self.node} is stopping")
                     result = tree_engine.restore(self.job_id, self.job_uid, generation, self.run_key,
-                                                 cgroups=cgroups)
+                                                 cgroups=cgroups, gpu_pairs=self._gpu_pairs_to_proxies)
                     self.restoring.append(result["init_pid"])
                     trees.append(Tree(index, tree_engine, result["init_pid"]))
                     waiters.append(result.pop("waiter"))
@@ -394,6 +394,16 @@ class AgentState:
 
     def op_devices(self, request: dict) -> dict:
         return {"node": self.node, "proxies": list(self.local_proxies())}
+
+    def _gpu_pairs_to_proxies(self, pairs: list) -> None:
+        """A restore's GPU UUID pairs to this node's proxies, before a rank restored with its GPU
+        memory out (see proxy.swap) runs: its proxy brings that memory onto its GPU through them."""
+        for proxy, path in self.proxies.items():
+            try:
+                rpc.call(path, {"op": "gpu_pairs", "pairs": [[p.old_uuid, p.new_uuid] for p in pairs]},
+                         timeout=30, service=f"proxy {proxy}")
+            except rpc.RpcError as exc:
+                raise RequestError(f"proxy {proxy}: {exc}", kind=exc.kind) from exc
 
     def _configure_proxies(self, config: Any) -> list[int] | None:
         """Configure this node's proxies for a rendezvous generation; this node's ranks, or None."""

@@ -381,26 +381,48 @@ class CheckpointEngine:
     def _gpu_state_out(self, init_pid: int, stop: bool) -> Iterator[dict[str, Any]]:
         """Around the dump: the GPU state of the tree's CUDA processes moved into their memory
         (cuda.suspend), then back onto the GPU where the tree runs on (a periodic checkpoint, or a
-        dump that failed). Yields what the manifest records of it."""
-        tasks = cuda.gpu_tasks(jobcgroup.tree(init_pid))
-        if not tasks:
+        dump that failed). Yields what the manifest records of it.
+
+        A rank whose proxy moved its GPU memory out while it waits (proxy.swap) maps no device: its
+        state is in its memory already, and stays there (it is recorded as `swapped`; its proxy
+        brings it in at its turn, after this checkpoint or after a restore)."""
+        tree = jobcgroup.tree(init_pid)
+        tasks = cuda.gpu_tasks(tree)
+        maybe = cuda.cuda_tasks([pid for pid in tree if pid not in tasks])
+        if not tasks and not maybe:
             yield {}
             return
-        if not self.gpus:  # what the job's processes hold open is theirs to fake; Slurm's list is not
-            raise CheckpointError(f"the job's tree has {len(tasks)} CUDA process(es) but the agent was not "
-                                  "told the job's GPUs (the Prolog passes Slurm's with --gpus): its GPU "
-                                  "state cannot be checkpointed")
-        driver = cuda.Driver(lock_timeout_ms=self.config.gpu.lock_timeout_s * 1000)
+        if tasks:
+            self._need_gpus(len(tasks))
+        try:
+            driver = cuda.Driver(lock_timeout_ms=self.config.gpu.lock_timeout_s * 1000)
+        except cuda.CudaUnavailable:
+            if tasks:
+                raise
+            yield {}  # nothing on a GPU, and no driver that could have moved anything out of one
+            return
+        swapped = cuda.checkpointed_tasks(driver, maybe)
+        if not tasks and not swapped:
+            yield {}
+            return
+        self._need_gpus(len(tasks) + len(swapped))
         held = [gpu.record() for gpu in gpus.inventory(self.gpus)]
         inner = cuda.inner_pids(tasks)
         cuda.suspend(driver, tasks)
         try:
-            yield {"cuda": {"tasks": sorted(inner.values()), "gpus": held, "driver": driver.version}}
+            yield {"cuda": {"tasks": sorted(inner.values()), "gpus": held, "driver": driver.version,
+                            "swapped": sorted(cuda.inner_pids(swapped).values())}}
         except BaseException:
             self._gpu_back(driver, tasks)  # the dump failed: the job runs on, on its GPUs
             raise
         if not stop:
             self._gpu_back(driver, tasks)
+
+    def _need_gpus(self, processes: int) -> None:
+        if not self.gpus:  # what the job's processes hold open is theirs to fake; Slurm's list is not
+            raise CheckpointError(f"the job's tree has {processes} CUDA process(es) but the agent was not "
+                                  "told the job's GPUs (the Prolog passes Slurm's with --gpus): its GPU "
+                                  "state cannot be checkpointed")
 
     def _gpu_back(self, driver: cuda.Driver, tasks: list[int]) -> None:
         try:
@@ -423,13 +445,16 @@ class CheckpointEngine:
     # --- restore ----------------------------------------------------------------------------------
 
     def restore(self, job_id: int, uid: int, generation: str | None = None,
-                run: str | None = None, cgroups: list[Path] | None = None) -> dict[str, Any]:
+                run: str | None = None, cgroups: list[Path] | None = None,
+                gpu_pairs: Callable[[list[cuda.GpuPair]], None] | None = None) -> dict[str, Any]:
         """Restore the newest checkpoint whose restored tree holds nothing its user could not open.
 
         A checkpoint that fails that check (see restorecheck), or that criu cannot restore, is refused
         like a corrupt one, and the next older one is tried; with `generation` (a multi-node
         checkpoint) there is no other.
-        The restored tree joins the job's `cgroups` before any of its tasks runs.
+        The restored tree joins the job's `cgroups` before any of its tasks runs. `gpu_pairs` is told
+        the GPU UUID pairs before the tree runs where a process of it comes back with its GPU memory
+        out (its proxy brings it in at its turn, through them).
         """
         started = time.monotonic()
         self._check_trusted(job_id)
@@ -454,7 +479,7 @@ class CheckpointEngine:
             tried.add(manifest.seq)
             try:
                 _check_taken_for(manifest, uid)
-                pid, notices = self._restore_one(job_id, manifest, creds, cgroups or [])
+                pid, notices = self._restore_one(job_id, manifest, creds, cgroups or [], gpu_pairs)
                 break
             except (RestoreRefused, RestoreFailed, faults.InjectedFault, CorruptCheckpoint) as exc:
                 why = exc.detail if isinstance(exc, CorruptCheckpoint) else str(exc)
@@ -474,8 +499,8 @@ class CheckpointEngine:
             "waiter": lambda: _exit_status(os.waitpid(pid, 0)[1]),
         }
 
-    def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds,
-                     cgroups: list[Path]) -> tuple[int, list[str]]:
+    def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds, cgroups: list[Path],
+                     gpu_pairs: Callable[[list[cuda.GpuPair]], None] | None = None) -> tuple[int, list[str]]:
         """Put one checkpoint back and restore its tree; it runs only if what it holds passes the
         check (else RestoreRefused, and criu has killed the tree)."""
         work = self.run_dir / f"restore-{self.rank}-{manifest.seq}"
@@ -513,6 +538,8 @@ class CheckpointEngine:
 
             faults.point(self.config, "restore", self.node)
             gpu_plan = self._gpu_plan(manifest)
+            if gpu_plan is not None and manifest.meta["cuda"].get("swapped") and gpu_pairs is not None:
+                gpu_pairs(gpu_plan[1])
             devices = anondev.history(manifest.meta.get("anon_devs"), anondev.checkpoint_devices(image_dir))
             with anondev.reserved(devices, self.config.paths.state_dir / anondev.LOCK_NAME):
                 pid = self.criu.restore(image_dir, check=check,

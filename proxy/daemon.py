@@ -12,9 +12,11 @@ The node agent drives it through a root-only control socket:
   resume {}                           after the dump: serve the parked ranks again
   ready {timeout}                     wait until this generation's mesh is up, or failed (mesh_error)
   status {} | stats {}                state of the ranks and the barrier | time spent per operation
+  gpu_pairs {pairs}                   a restore's GPU UUIDs, old -> new (see `swap`)
 
 Ranks that share the device take turns on it where `proxy.time_slicing` says so (see `turns`): a
-rank's first hello waits for its turn, and each operation hands the turn on while it runs.
+rank's first hello waits for its turn, and each operation hands the turn on while it runs. On a GPU
+whose ranks do not fit together, a waiting rank's GPU memory moves to host memory meanwhile (`swap`).
 
 Nothing here must survive a checkpoint: a restored job gets fresh proxies and a new generation.
 """
@@ -28,6 +30,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -44,12 +47,13 @@ from singularity_slurm.config import ProxyConfig
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 
-from . import barrier, collectives, shared
+from . import barrier, collectives, shared, swap
 from .barrier import Gate, Phase
 from .hal import BackendError, DeviceBackend, Region, backend, dtype_of
 from .mesh import Mesh, MeshError
 from .ranksock import RankSockets
 from .rendezvous import Rendezvous, RendezvousError
+from .swap import GpuMemory, SwapError, SwapMode
 from .turns import Slicing, Turns, takes_turns
 
 LOG = logging.getLogger("singularity.proxy")
@@ -88,6 +92,10 @@ class Session:
     reader: wire.Reader
     region: Region | None = None
     comms: dict[str, int] = field(default_factory=dict)  # communicator -> this rank's place in it
+    pid: int = 0  # the worker's host pid (SO_PEERCRED), and a pidfd of it where GPU memory may move
+    pidfd: int = -1
+    inside: bool = False  # blocked in the proxy for an answer (not computing): its GPU memory may move
+    on_device: bool = False  # its GPU memory was checked to be on the GPU since it connected
 
 
 @dataclass
@@ -110,7 +118,7 @@ class Proxy:
     def __init__(self, job_id: int, job_uid: int, proxy_id: str, device: DeviceBackend,
                  rendezvous_factory, *, state_dir: Path, limits: ProxyConfig | None = None,
                  bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1",
-                 fault: Callable[[str], None] | None = None):
+                 fault: Callable[[str], None] | None = None, memory: GpuMemory | None = None):
         self.job_id = job_id
         self.fault = fault or (lambda point: None)  # a test's fault point (singularity_slurm.faults)
         self.job_uid = job_uid
@@ -155,6 +163,15 @@ class Proxy:
         self.peer_pids: dict[str, int] = {}  # what a peer's region announcements must name
         self.shares_memory: dict[str, bool] = {}  # by communicator, for this generation
         self.peer_regions = shared.PeerRegions()
+        # The GPU's memory per rank, moved to host memory while a rank waits (proxy.gpu_swap, `swap`).
+        self.memory = memory
+        self.swap_lock = threading.Lock()  # one move at a time, decided on what is known then
+        self.footprints: dict[int, int] = {}  # rank -> its GPU bytes, as last measured on the GPU
+        self.out: set[int] = set()  # ranks whose GPU memory is in host memory now
+        self.gpu_pairs: list[swap.cuda.GpuPair] = []  # a restore's GPU UUIDs, old -> new
+        # Ranks that left the proxy (bye) but whose processes still run, maybe with GPU memory: a rank
+        # that would not fit beside them waits for them to end (pid -> pidfd; closed once they end).
+        self.departed: dict[int, int] = {}
 
     def log(self, message: str, *args) -> None:
         LOG.info("job %s proxy %s gen %s: " + message, self.job_id, self.id, self.generation, *args)
@@ -177,6 +194,7 @@ class Proxy:
             self.issued = {r: {} for r in self.local_ranks}
             self.phase, self.targets, self.ready, self.mesh_error = Phase.RUNNING, {}, False, None
             self.turns = Turns()
+            self.footprints, self.out, self.gpu_pairs = {}, set(), []
             exclusive = bool(getattr(self.device, "exclusive", False))
             self.sliced = takes_turns(Slicing(self.limits.time_slicing), exclusive, len(self.local_ranks))
         if not self.local_ranks:
@@ -332,6 +350,13 @@ class Proxy:
 
     def _serve_session(self, rank: int, sock: socket.socket) -> None:
         session = Session(rank, sock, wire.Reader(sock))
+        if self.memory is not None:
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+            session.pid, session.pidfd = pid, swap.peer_pidfd(sock, pid, uid)
+            with self.swap_lock:
+                if pid in self.departed:  # it is back (after a cut): not gone
+                    os.close(self.departed.pop(pid))
         parked = False
         try:
             while True:
@@ -342,8 +367,12 @@ class Proxy:
                 try:
                     if op == "hello":
                         self._hello(session, message)
-                        if message.get("turn") is True:
+                        if message.get("turn") is True and self.sliced:
+                            session.inside = True
                             self._take_turn(session)
+                            self._on_device(session)
+                        elif not self.sliced:
+                            self._on_device(session)  # restored with its GPU memory out: it comes back
                         wire.send(sock, {"ok": True, "generation": self.generation, "proxy": self.id,
                                          "turns": self.sliced})
                     elif op == "map":
@@ -372,6 +401,13 @@ class Proxy:
             sock.close()
             if session.region is not None:
                 session.region.close()
+            if session.pidfd >= 0:
+                with self.swap_lock:  # a rank parked at a cut comes back; one that left may hold memory on
+                    if not parked and swap.alive(session.pidfd) and session.pid not in self.departed:
+                        self.departed[session.pid] = session.pidfd
+                    else:
+                        os.close(session.pidfd)
+                session.pidfd = -1
             with self.cond:
                 if self.sessions.get(rank) is session:
                     del self.sessions[rank]
@@ -445,17 +481,26 @@ class Proxy:
         """Run an operation with the device's turn handed on meanwhile; answer once the rank holds
         the turn again (not when it parked: a parked rank holds no turn)."""
         if not self.sliced:
-            return self._operation(session, message)
+            reply = self._operation(session, message)
+            if not session.on_device and not reply.get("park"):
+                self._on_device(session)  # restored with its GPU memory out: it comes back once
+            return reply
         with self.cond:
+            session.inside = True
             if self.turns.release(session.rank, time.monotonic()) is not None:
                 self.cond.notify_all()
         try:
             reply = self._operation(session, message)
         except (ProxyError, BackendError, KeyError, ValueError, TypeError):
             self._take_turn(session)  # the script goes on computing after the error it is told
+            self._on_device(session)
             raise
-        if not reply.get("park"):
+        if reply.get("park"):
+            with self.cond:
+                session.inside = False  # it lets go of the proxy; the checkpoint takes its GPU state
+        else:
             self._take_turn(session)
+            self._on_device(session)
         return reply
 
     def _take_turn(self, session: Session) -> None:
@@ -484,6 +529,67 @@ class Proxy:
                     continue
                 self.cond.wait(None if lapse is None else lapse - now)
         self._count("turn", count=1, wait_seconds=time.monotonic() - started)
+
+    def _on_device(self, session: Session) -> None:
+        """Before the rank computes again: its GPU memory back on the GPU if it is out, after the
+        waiting ranks' memory has gone out as far as `proxy.gpu_swap` says (see `swap`)."""
+        if self.memory is None:
+            session.on_device = True
+            return
+        started = time.monotonic()
+        moved: list[tuple[str, int, int]] = []
+        with self.swap_lock:
+            with self.cond:
+                if self.sessions.get(session.rank) is not session:
+                    return
+                inside = [r for r, s in self.sessions.items()
+                          if s.inside and s is not session and s.pidfd >= 0]
+                order = swap.eviction_order(inside, list(self.turns.waiting))
+                others = {r: self.sessions[r] for r in order}
+            try:
+                free, used = self.memory.usage()
+                for rank, other in [*others.items(), (session.rank, session)]:
+                    if rank not in self.out and other.pid in used:
+                        self.footprints[rank] = used[other.pid]
+                if not session.on_device and session.rank not in self.out and \
+                        self.memory.is_out(session.pid, session.pidfd):
+                    self.out.add(session.rank)  # restored with its memory out, or moved by another proxy
+                mode = SwapMode(self.limits.gpu_swap) if self.sliced else SwapMode.NEVER
+                decided = swap.plan(mode, session.rank, self.footprints, self.out, order, free,
+                                    self.limits.gpu_swap_reserve_bytes)
+            except SwapError as exc:
+                self.log("rank %s: cannot read its GPU's memory (%s): nothing moves", session.rank, exc)
+                decided = swap.Plan()
+            for rank in decided.out:
+                other = others[rank]
+                try:
+                    self.memory.move_out(other.pid, other.pidfd)
+                    self.out.add(rank)
+                    moved.append(("out", rank, self.footprints.get(rank, 0)))
+                except SwapError as exc:
+                    self.log("rank %s: its GPU memory stays on the GPU: %s", rank, exc)
+            if decided.bring_in:
+                self._await_departed(session.rank)
+                try:
+                    self.memory.move_in(session.pid, session.pidfd, self.gpu_pairs)
+                    self.out.discard(session.rank)
+                    moved.append(("in", session.rank, self.footprints.get(session.rank, 0)))
+                except SwapError as exc:
+                    # It cannot compute (its CUDA calls would wait for ever): it is ended as if its
+                    # proxy had gone, and the node agent requeues the job from its last checkpoint.
+                    self.log("rank %s: its GPU memory could not come back; dropping its connection: %s",
+                             session.rank, exc)
+                    session.sock.close()
+                    raise ProxyError(f"the rank's GPU memory could not come back: {exc}") from exc
+        with self.cond:
+            session.inside, session.on_device = False, True
+        if moved:
+            seconds = time.monotonic() - started
+            self._count("swap", count=1, seconds=seconds, out=sum(m[0] == "out" for m in moved),
+                        **{"in": sum(m[0] == "in" for m in moved)},
+                        bytes=sum(m[2] for m in moved))
+            LOG.debug("job %s proxy %s: before rank %s computes: %s in %.3fs", self.job_id, self.id,
+                      session.rank, moved, seconds)
 
     # --- operations -------------------------------------------------------------------------------
 
@@ -805,6 +911,10 @@ class Proxy:
         self.stopping = True
         self._teardown()
         self.rank_sockets.close()
+        with self.swap_lock:
+            for pidfd in self.departed.values():
+                os.close(pidfd)
+            self.departed.clear()
 
     def _on_lost(self, peer: str, why: str) -> None:
         if self.stopping:
@@ -867,6 +977,7 @@ class Proxy:
         with self.cond:
             return {"proxy": self.id, "generation": self.generation, "phase": str(self.phase),
                     "ranks": {str(r): str(s) for r, s in self.states.items()}, "ready": self.ready,
+                    "gpu_memory_out": sorted(self.out) if self.memory is not None else None,
                     "leader": self.leader, "mesh_error": self.mesh_error,
                     "turns": ({"holder": self.turns.holder, "waiting": list(self.turns.waiting),
                                "handovers": self.turns.handovers, "lapses": self.turns.lapses}
@@ -896,9 +1007,54 @@ class Proxy:
             return self.wait_ready(min(float(request.get("timeout") or 60.0), 3600.0))
         if op == "stats":
             return self.stats_report()
+        if op == "gpu_pairs":
+            return self.set_gpu_pairs(request["pairs"])
         if op == "ping":
             return {"proxy": self.id, "pid": os.getpid()}
-        raise ProxyError(f"unknown op {op!r}; valid: configure, quiesce, ready, resume, status, stats, ping")
+        raise ProxyError(f"unknown op {op!r}; valid: configure, quiesce, ready, resume, status, stats, "
+                         "gpu_pairs, ping")
+
+    def _await_departed(self, rank: int) -> None:
+        """Under swap_lock, before `rank`'s memory comes in: where it does not fit, wait (at most
+        `proxy.turn_lapse_s`) for ranks that said bye but still hold GPU memory to end. Ranks end at
+        different times: one finishing its script frees its memory a moment after its last collective."""
+        with self.cond:
+            connected = {s.pid for s in self.sessions.values()}  # a rank that reconnected is not gone
+        for pid, pidfd in list(self.departed.items()):
+            if pid in connected or not swap.alive(pidfd):
+                os.close(self.departed.pop(pid))
+        if not self.departed:
+            return
+        deadline = time.monotonic() + self.limits.turn_lapse_s
+        while self.departed:
+            try:
+                free, used = self.memory.usage()
+            except SwapError:
+                return
+            if free >= self.footprints.get(rank, 0) or not any(pid in used for pid in self.departed):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.log("rank %s comes back onto the GPU beside ranks that left but still hold memory "
+                         "(%s): it may run out of memory", rank, sorted(self.departed))
+                return
+            ended = swap.wait_any(list(self.departed.values()), left)
+            for pidfd in ended:
+                pid = next(p for p, fd in self.departed.items() if fd == pidfd)
+                os.close(self.departed.pop(pid))
+
+    def set_gpu_pairs(self, pairs: Any) -> dict:
+        """A restore's GPU UUIDs, old -> new (from the node agent, before the ranks are restored): a
+        rank whose GPU memory was out at the checkpoint comes back onto this GPU through them."""
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+            raise ProxyError("gpu_pairs: pairs must be a list of [old UUID, new UUID]")
+        made = [swap.cuda.GpuPair(str(old), str(new)) for old, new in pairs]
+        for pair in made:
+            swap.cuda.uuid_bytes(pair.old_uuid)
+            swap.cuda.uuid_bytes(pair.new_uuid)
+        with self.cond:
+            self.gpu_pairs = made
+        return {"pairs": len(made)}
 
 
 def serve_control(proxy: Proxy, path: Path, limits: rpc.Limits | None = None) -> rpc.Server:
@@ -933,6 +1089,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-slicing", choices=("auto", "turns", "concurrent"), default=None,
                         help="how ranks that share this device run (default: the configuration's "
                              "proxy.time_slicing)")
+    parser.add_argument("--gpu-swap", choices=("auto", "always", "never"), default=None,
+                        help="when a waiting rank's GPU memory moves to host memory (default: the "
+                             "configuration's proxy.gpu_swap)")
     parser.add_argument("--rendezvous-dir", type=Path, default=None,
                         help="find peers through this folder instead of the coordinator (one machine)")
     parser.add_argument("--advertise", default=None,
@@ -951,6 +1110,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = config.proxy
     if args.time_slicing is not None:
         limits = dataclasses.replace(limits, time_slicing=args.time_slicing)
+    if args.gpu_swap is not None:
+        limits = dataclasses.replace(limits, gpu_swap=args.gpu_swap)
     advertise = args.advertise or _host_address()
     if args.rendezvous_dir is not None:
         def rendezvous():
@@ -961,9 +1122,11 @@ def main(argv: list[str] | None = None) -> int:
         def rendezvous():
             return RedisRendezvous(connect(config.redis), args.job_id)
     node = args.id.split("/", 1)[0]
+    memory = gpu_memory(args.id, args.backend, config.gpu.lock_timeout_s)
     proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous,
                   state_dir=args.state_dir or config.paths.state_dir, limits=limits,
-                  advertise_host=advertise, fault=lambda point: faults.point(config, point, node))
+                  advertise_host=advertise, fault=lambda point: faults.point(config, point, node),
+                  memory=memory)
     server = serve_control(proxy, args.socket)
     stop = threading.Event()
 
@@ -979,8 +1142,24 @@ def main(argv: list[str] | None = None) -> int:
     server.close()
     args.socket.unlink(missing_ok=True)
     proxy.close()
+    if memory is not None:
+        memory.close()
     print(f"device proxy {args.id} for job {args.job_id} stopped", flush=True)
     return 0
+
+
+def gpu_memory(proxy_id: str, backend_name: str, lock_timeout_s: int) -> GpuMemory | None:
+    """The GPU's memory per rank, for a GPU's `cuda` proxy (NODE/gpuN: NVML's index N, as Slurm
+    numbers it); None elsewhere, or where the driver cannot move it (then it stays on the GPU)."""
+    device = proxy_id.split("/", 1)[-1]
+    if backend_name != "cuda" or not device.startswith("gpu") or not device[3:].isdigit():
+        return None
+    try:
+        return GpuMemory(int(device[3:]), lock_timeout_s * 1000)
+    except swap.cuda.CheckpointError as exc:
+        LOG.warning("proxy %s: ranks' GPU memory stays on the GPU while they wait (proxy.gpu_swap has "
+                    "no effect): %s", proxy_id, exc)
+        return None
 
 
 def _host_address() -> str:

@@ -94,10 +94,16 @@ class ProxyConfig:
     time_slicing: str = "auto"  # ranks sharing a device: auto (turns on a GPU), turns, concurrent
     turn_lapse_s: int = 10  # a turn held this long without a collective lets the waiters run
     shared_memory: bool = True  # proxies of one host reduce straight from each other's regions
+    gpu_swap: str = "auto"  # ranks taking turns on a GPU: waiting ranks' memory to host (auto|always|never)
+    gpu_swap_reserve_mib: int = 1024  # GPU memory kept free beyond what the next rank needs (auto)
 
     @property
     def max_region_bytes(self) -> int:
         return self.max_region_mib << 20
+
+    @property
+    def gpu_swap_reserve_bytes(self) -> int:
+        return self.gpu_swap_reserve_mib << 20
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,9 @@ class SlaConfig:
 
 TIME_SLICING = ("auto", "turns", "concurrent")
 """The values of `proxy.time_slicing` (`singularity_slurm.proxy.turns.Slicing`)."""
+
+GPU_SWAP = ("auto", "always", "never")
+"""The values of `proxy.gpu_swap` (`singularity_slurm.proxy.swap.SwapMode`)."""
 
 PROXY_BACKENDS = ("auto", "cuda", "host")
 """The values of `proxy.backend`: auto is cuda for a GPU NVML sees, host otherwise."""
@@ -248,6 +257,11 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "proxy.shared_memory": (True, bool, "proxies of one host reduce straight from each other's shared "
                             "regions instead of sending the data over the mesh (they open them through "
                             "/proc/PID/fd: root in one PID namespace)"),
+    "proxy.gpu_swap": ("auto", str, "ranks taking turns on a GPU: a waiting rank's GPU memory moves to "
+                                    "host memory (the CUDA driver's checkpoint API) when the next rank "
+                                    "would not fit (auto), at every turn (always), or never"),
+    "proxy.gpu_swap_reserve_mib": (1024, int, "GPU memory (MiB) gpu_swap = auto keeps free beyond what the "
+                                              "next rank needs (0..1048576)"),
     "local_files.max_files": (LocalFilesConfig.max_files, int,
                               "node-local files (from the job's file-log) a checkpoint carries at most"),
     "local_files.max_bytes": (LocalFilesConfig.max_bytes, int,
@@ -394,7 +408,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
 
     proxy_raw = data.get("proxy", {})
     _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout", "max_region_mib", "max_rank_connections",
-                            "time_slicing", "turn_lapse_s", "shared_memory"}, "proxy")
+                            "time_slicing", "turn_lapse_s", "shared_memory", "gpu_swap",
+                            "gpu_swap_reserve_mib"}, "proxy")
     proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "auto"),
                         cpu_slots=_take(proxy_raw, "cpu_slots", "proxy", int, 1),
                         cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60),
@@ -404,7 +419,9 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                                                    KEYS["proxy.max_rank_connections"][0]),
                         time_slicing=_take(proxy_raw, "time_slicing", "proxy", str, "auto"),
                         turn_lapse_s=_take(proxy_raw, "turn_lapse_s", "proxy", int, 10),
-                        shared_memory=_take(proxy_raw, "shared_memory", "proxy", bool, True))
+                        shared_memory=_take(proxy_raw, "shared_memory", "proxy", bool, True),
+                        gpu_swap=_take(proxy_raw, "gpu_swap", "proxy", str, "auto"),
+                        gpu_swap_reserve_mib=_take(proxy_raw, "gpu_swap_reserve_mib", "proxy", int, 1024))
     if proxy.backend not in PROXY_BACKENDS:
         raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: "
                           f"{', '.join(PROXY_BACKENDS)}")
@@ -421,6 +438,11 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     if proxy.time_slicing not in TIME_SLICING:
         raise ConfigError(f"proxy.time_slicing = {proxy.time_slicing!r} is not one of "
                           f"{', '.join(TIME_SLICING)}")
+    if proxy.gpu_swap not in GPU_SWAP:
+        raise ConfigError(f"proxy.gpu_swap = {proxy.gpu_swap!r} is not one of {', '.join(GPU_SWAP)}")
+    if not 0 <= proxy.gpu_swap_reserve_mib <= 1 << 20:
+        raise ConfigError(f"proxy.gpu_swap_reserve_mib must be 0..1048576 MiB, got "
+                          f"{proxy.gpu_swap_reserve_mib}")
 
     admin_raw = data.get("admin", {})
     _check_keys(admin_raw, {"operators"}, "admin")

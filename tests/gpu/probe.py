@@ -167,11 +167,13 @@ def inventory() -> None:
         report("inventory", f"failed: {exc}")
 
 
-def start_training(log: Path, *args: str, pidns: bool = False) -> tuple[subprocess.Popen, int]:
-    """The training script in a session of its own; with `pidns`, as the init of a new PID namespace
-    (the project's layout: the node agent acts on a tree in its own namespace by its host pid).
-    Returns the child and the pid to act on (the namespace's init, under `unshare`)."""
-    argv = [sys.executable, str(TRAIN), *args]
+def start_training(log: Path, *args: str, pidns: bool = False, script: Path = TRAIN,
+                   env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """The training script (`script`, default train_cuda.py) in a session of its own; with `pidns`,
+    as the init of a new PID namespace (the project's layout: the node agent acts on a tree in its own
+    namespace by its host pid). `env`: its environment (default this one's). Returns the child and
+    the pid to act on (the namespace's init, under `unshare`)."""
+    argv = [sys.executable, str(script), *args]
     if pidns:
         # The project's layout (node/jobtree.py): a PID and mount namespace with its own /proc and
         # /dev/shm, whose init leads its own session and opens the log itself, so that unshare's
@@ -184,7 +186,7 @@ def start_training(log: Path, *args: str, pidns: bool = False) -> tuple[subproce
         log.write_text("")
     with open(log if not pidns else os.devnull, "w") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(os.environ, LOG=str(log)))
+                                start_new_session=True, env=dict(env or os.environ, LOG=str(log)))
     if not pidns:
         return proc, proc.pid
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
@@ -210,7 +212,7 @@ def end_training(proc: subprocess.Popen, pid: int) -> None:
 def wait_for_line(log: Path, prefix: str, timeout: float = 120) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(line.startswith(prefix) for line in log.read_text().splitlines()):
+        if log.exists() and any(line.startswith(prefix) for line in log.read_text().splitlines()):
             return True
         time.sleep(0.05)
     return False

@@ -19,8 +19,9 @@ def job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     """Make jobs of real proxies (see `proxyjob`); their workers and proxies end with the test."""
     jobs: list[Job] = []
 
-    def make(placement: dict[int, str], uid: int | None = None, limits: ProxyConfig | None = None) -> Job:
-        jobs.append(Job(tmp_path, placement, uid, limits=limits))
+    def make(placement: dict[int, str], uid: int | None = None, limits: ProxyConfig | None = None,
+             memory: dict[str, object] | None = None) -> Job:
+        jobs.append(Job(tmp_path, placement, uid, limits=limits, memory=memory))
         return jobs[-1]
 
     yield make

@@ -38,6 +38,13 @@ def test_a_process_holds_gpu_state_while_it_maps_a_device_file() -> None:
     assert not cuda.holds_device("")
 
 
+def test_a_process_may_hold_cuda_state_while_it_maps_the_driver_library() -> None:
+    libcuda = "7f1c50000000-7f1c50100000 r-xp 00000000 fe:10 312  /usr/lib/x86_64-linux-gnu/libcuda.so.580\n"
+    assert cuda.loads_cuda(CHECKPOINTED_MAPS + libcuda)
+    assert not cuda.loads_cuda(CHECKPOINTED_MAPS)  # libnvidia-ptxjit is not the driver
+    assert not cuda.loads_cuda("7f1c50000000-7f1c50100000 r-xp 00000000 fe:10 312  /tmp/not-libcuda.so\n")
+
+
 def test_namespace_pid_is_the_innermost_one() -> None:
     assert cuda.namespace_pid("Name:\tpython\nNSpid:\t975\t1\n") == 1
     assert cuda.namespace_pid("NSpid:\t4242\n") == 4242
@@ -78,6 +85,12 @@ class ScriptedDriver:
 
     def states(self, pids):
         return {pid: self.now[pid] for pid in pids}
+
+    def state(self, pid):
+        if pid not in self.now:  # as the driver answers for a process without a CUDA context
+            raise cuda.CudaCheckpointFailed(f"cuCheckpointProcessGetState({pid}) failed: "
+                                            "CUDA_ERROR_NOT_FOUND")
+        return self.now[pid]
 
     def call(self, call, pairs=()):
         self.calls.append((call.action, call.pid, tuple(pairs)))
@@ -286,3 +299,44 @@ def test_the_agent_inventories_only_the_gpus_slurm_gave_the_job(tmp_path, monkey
     with engine._gpu_state_out(1234, stop=True) as meta:
         assert meta["cuda"]["tasks"] == [1]
     assert asked == [[2]]
+
+
+def test_checkpointed_tasks_are_those_the_driver_says_are_out_and_not_processes_without_a_context() -> None:
+    driver = ScriptedDriver({1: cuda.RUNNING, 2: cuda.CHECKPOINTED, 3: cuda.LOCKED})
+    assert cuda.checkpointed_tasks(driver, [1, 2, 3, 4]) == [2]
+
+
+def test_a_checkpoint_leaves_a_rank_whose_proxy_moved_its_memory_out_as_it_is_and_records_it(
+        tmp_path, monkeypatch) -> None:
+    """Rank processes of one tree: 10 on the GPU, 11 with its memory out (its proxy moved it while it
+    waits), 12 a forked DataLoader worker that maps the driver's library but has no context."""
+    from singularity_slurm.checkpoint.store import CheckpointStore
+    from singularity_slurm.config import parse
+    from singularity_slurm.node import engine as engine_mod
+    from singularity_slurm.node.engine import CheckpointEngine
+
+    config = parse({"paths": {"store_root": str(tmp_path / "store")}})
+    engine = CheckpointEngine(config, "n1", tmp_path, CheckpointStore(tmp_path / "store"), None,  # type: ignore[arg-type]
+                              None)  # type: ignore[arg-type]
+    engine.gpus = [0]
+    driver = ScriptedDriver({10: cuda.RUNNING, 11: cuda.CHECKPOINTED})
+    monkeypatch.setattr(engine_mod.jobcgroup, "tree", lambda pid: [10, 11, 12])
+    monkeypatch.setattr(cuda, "gpu_tasks", lambda pids: [p for p in pids if p == 10])
+    monkeypatch.setattr(cuda, "cuda_tasks", lambda pids: [p for p in pids if p in (11, 12)])
+    monkeypatch.setattr(cuda, "inner_pids", lambda tasks: {t: t - 9 for t in tasks})
+    monkeypatch.setattr(cuda, "Driver", lambda **_: driver)
+    driver.version = 13000
+    monkeypatch.setattr(gpus, "inventory", lambda indices: [gpu(0, 1)])
+
+    with engine._gpu_state_out(1, stop=False) as meta:  # a periodic checkpoint: the job runs on
+        assert driver.now == {10: cuda.CHECKPOINTED, 11: cuda.CHECKPOINTED}
+        assert (meta["cuda"]["tasks"], meta["cuda"]["swapped"]) == ([1], [2])
+    assert driver.now == {10: cuda.RUNNING, 11: cuda.CHECKPOINTED}  # its proxy brings 11 in at its turn
+    assert {pid for _, pid, _ in driver.calls} == {10}
+
+    driver.now = {11: cuda.CHECKPOINTED}  # every rank's memory out: the GPUs are recorded all the same
+    monkeypatch.setattr(engine_mod.jobcgroup, "tree", lambda pid: [11, 12])
+    monkeypatch.setattr(cuda, "gpu_tasks", lambda pids: [])
+    with engine._gpu_state_out(1, stop=True) as meta:
+        assert (meta["cuda"]["tasks"], meta["cuda"]["swapped"]) == ([], [2])
+        assert meta["cuda"]["gpus"] == [gpu(0, 1).record()]

@@ -245,7 +245,8 @@ def test_a_restore_reads_each_checkpoint_once_and_falls_back_past_a_corrupt_one(
     monkeypatch.setattr(engine, "_index", lambda action: None)
     restored: list[int] = []
 
-    def restore_one(job_id, manifest, creds, cgroups):  # the images put back, as before criu's restore
+    def restore_one(job_id, manifest, creds, cgroups, gpu_pairs=None):
+        # the images put back, as before criu restores them
         images.download(engine.store, manifest, tmp_path / f"work-{manifest.seq}")
         restored.append(manifest.seq)
         return 4242, []
