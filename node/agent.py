@@ -395,15 +395,20 @@ class AgentState:
     def op_devices(self, request: dict) -> dict:
         return {"node": self.node, "proxies": list(self.local_proxies())}
 
-    def _gpu_pairs_to_proxies(self, pairs: list) -> None:
+    def _gpu_pairs_to_proxies(self, pairs: list) -> bool:
         """A restore's GPU UUID pairs to this node's proxies, before a rank restored with its GPU
-        memory out (see proxy.swap) runs: its proxy brings that memory onto its GPU through them."""
+        memory out (see proxy.swap) runs: its proxy brings that memory onto its GPU through them.
+        False where a proxy cannot (no NVML or driver bindings there): the engine brings it in."""
+        moves = True
         for proxy, path in self.proxies.items():
             try:
-                rpc.call(path, {"op": "gpu_pairs", "pairs": [[p.old_uuid, p.new_uuid] for p in pairs]},
-                         timeout=30, service=f"proxy {proxy}")
+                answer = rpc.call(path, {"op": "gpu_pairs",
+                                         "pairs": [[p.old_uuid, p.new_uuid] for p in pairs]},
+                                  timeout=30, service=f"proxy {proxy}")
             except rpc.RpcError as exc:
                 raise RequestError(f"proxy {proxy}: {exc}", kind=exc.kind) from exc
+            moves = moves and isinstance(answer, dict) and answer.get("moves") is True
+        return moves
 
     def _configure_proxies(self, config: Any) -> list[int] | None:
         """Configure this node's proxies for a rendezvous generation; this node's ranks, or None."""

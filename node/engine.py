@@ -446,7 +446,7 @@ class CheckpointEngine:
 
     def restore(self, job_id: int, uid: int, generation: str | None = None,
                 run: str | None = None, cgroups: list[Path] | None = None,
-                gpu_pairs: Callable[[list[cuda.GpuPair]], None] | None = None) -> dict[str, Any]:
+                gpu_pairs: Callable[[list[cuda.GpuPair]], bool] | None = None) -> dict[str, Any]:
         """Restore the newest checkpoint whose restored tree holds nothing its user could not open.
 
         A checkpoint that fails that check (see restorecheck), or that criu cannot restore, is refused
@@ -454,7 +454,8 @@ class CheckpointEngine:
         checkpoint) there is no other.
         The restored tree joins the job's `cgroups` before any of its tasks runs. `gpu_pairs` is told
         the GPU UUID pairs before the tree runs where a process of it comes back with its GPU memory
-        out (its proxy brings it in at its turn, through them).
+        out: it says whether the proxies bring that memory in at the rank's turn (else it is brought
+        in here, with the others).
         """
         started = time.monotonic()
         self._check_trusted(job_id)
@@ -500,7 +501,7 @@ class CheckpointEngine:
         }
 
     def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds, cgroups: list[Path],
-                     gpu_pairs: Callable[[list[cuda.GpuPair]], None] | None = None) -> tuple[int, list[str]]:
+                     gpu_pairs: Callable[[list[cuda.GpuPair]], bool] | None = None) -> tuple[int, list[str]]:
         """Put one checkpoint back and restore its tree; it runs only if what it holds passes the
         check (else RestoreRefused, and criu has killed the tree)."""
         work = self.run_dir / f"restore-{self.rank}-{manifest.seq}"
@@ -538,15 +539,16 @@ class CheckpointEngine:
 
             faults.point(self.config, "restore", self.node)
             gpu_plan = self._gpu_plan(manifest)
+            proxies_bring_in = False
             if gpu_plan is not None and manifest.meta["cuda"].get("swapped") and gpu_pairs is not None:
-                gpu_pairs(gpu_plan[1])
+                proxies_bring_in = gpu_pairs(gpu_plan[1])
             devices = anondev.history(manifest.meta.get("anon_devs"), anondev.checkpoint_devices(image_dir))
             with anondev.reserved(devices, self.config.paths.state_dir / anondev.LOCK_NAME):
                 pid = self.criu.restore(image_dir, check=check,
                                         external=self._restore_mounts(manifest))
             self.devices = devices
             if gpu_plan is not None:
-                self._gpu_state_in(pid, manifest, *gpu_plan)
+                self._gpu_state_in(pid, manifest, *gpu_plan, with_swapped=not proxies_bring_in)
             try:  # at once: the tree runs from here on
                 services.note_tree(self.run_dir, pid)
             except ServiceError:
@@ -590,10 +592,12 @@ class CheckpointEngine:
             raise RestoreFailed(f"checkpoint {manifest.seq} holds GPU state: {exc}") from exc
 
     def _gpu_state_in(self, pid: int, manifest: Manifest, driver: cuda.Driver,
-                      pairs: list[cuda.GpuPair]) -> None:
+                      pairs: list[cuda.GpuPair], with_swapped: bool = True) -> None:
         """The restored CUDA processes' GPU state back onto this job's GPUs, then their CUDA calls
-        let run; a failure kills the tree (its processes would wait forever)."""
-        wanted = set(manifest.meta["cuda"].get("tasks", []))
+        let run; a failure kills the tree (its processes would wait forever). Processes whose memory
+        was out at the dump (`swapped`) are left to their proxies unless `with_swapped`."""
+        record = manifest.meta["cuda"]
+        wanted = set(record.get("tasks", [])) | (set(record.get("swapped") or []) if with_swapped else set())
         tasks = [host for host, inner in cuda.inner_pids(jobcgroup.tree(pid)).items() if inner in wanted]
         try:
             if len(tasks) != len(wanted):

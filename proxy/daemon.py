@@ -30,7 +30,6 @@ import logging
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -57,6 +56,7 @@ from .swap import GpuMemory, SwapError, SwapMode
 from .turns import Slicing, Turns, takes_turns
 
 LOG = logging.getLogger("singularity.proxy")
+MAX_DEPARTED = 64  # ranks' processes that left but still run, watched for the GPU memory they hold
 
 # The collectives, each with what every member must say alike about it (alltoall's counts differ by
 # rank, and its exchange checks each piece). Each is one operation on its communicator's channel, so
@@ -92,8 +92,7 @@ class Session:
     reader: wire.Reader
     region: Region | None = None
     comms: dict[str, int] = field(default_factory=dict)  # communicator -> this rank's place in it
-    pid: int = 0  # the worker's host pid (SO_PEERCRED), and a pidfd of it where GPU memory may move
-    pidfd: int = -1
+    process: swap.Process | None = None  # the worker as it connected, where GPU memory may move
     inside: bool = False  # blocked in the proxy for an answer (not computing): its GPU memory may move
     on_device: bool = False  # its GPU memory was checked to be on the GPU since it connected
 
@@ -168,10 +167,11 @@ class Proxy:
         self.swap_lock = threading.Lock()  # one move at a time, decided on what is known then
         self.footprints: dict[int, int] = {}  # rank -> its GPU bytes, as last measured on the GPU
         self.out: set[int] = set()  # ranks whose GPU memory is in host memory now
+        self.restored_out: set[int] = set()  # of those, ranks found so at connect (restored so)
         self.gpu_pairs: list[swap.cuda.GpuPair] = []  # a restore's GPU UUIDs, old -> new
         # Ranks that left the proxy (bye) but whose processes still run, maybe with GPU memory: a rank
-        # that would not fit beside them waits for them to end (pid -> pidfd; closed once they end).
-        self.departed: dict[int, int] = {}
+        # that would not fit beside them waits for them to end (pid -> process; closed once they end).
+        self.departed: dict[int, swap.Process] = {}
 
     def log(self, message: str, *args) -> None:
         LOG.info("job %s proxy %s gen %s: " + message, self.job_id, self.id, self.generation, *args)
@@ -183,7 +183,7 @@ class Proxy:
         ranks = sorted(placement)
         if ranks != list(range(len(ranks))):
             raise ProxyError(f"placement must name ranks 0..N-1, got {ranks}")
-        with self.cond:
+        with self.swap_lock, self.cond:
             self.generation = generation
             self.placement = dict(placement)
             self.groups, self.peer_hosts, self.peer_pids, self.shares_memory = {}, {}, {}, {}
@@ -194,7 +194,7 @@ class Proxy:
             self.issued = {r: {} for r in self.local_ranks}
             self.phase, self.targets, self.ready, self.mesh_error = Phase.RUNNING, {}, False, None
             self.turns = Turns()
-            self.footprints, self.out, self.gpu_pairs = {}, set(), []
+            self.footprints, self.out, self.restored_out, self.gpu_pairs = {}, set(), set(), []
             exclusive = bool(getattr(self.device, "exclusive", False))
             self.sliced = takes_turns(Slicing(self.limits.time_slicing), exclusive, len(self.local_ranks))
         if not self.local_ranks:
@@ -351,12 +351,11 @@ class Proxy:
     def _serve_session(self, rank: int, sock: socket.socket) -> None:
         session = Session(rank, sock, wire.Reader(sock))
         if self.memory is not None:
-            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                              struct.calcsize("3i")))
-            session.pid, session.pidfd = pid, swap.peer_pidfd(sock, pid, uid)
+            session.process = swap.peer_process(sock)
             with self.swap_lock:
-                if pid in self.departed:  # it is back (after a cut): not gone
-                    os.close(self.departed.pop(pid))
+                back = self.departed.pop(session.process.pid, None) if session.process else None
+                if back is not None:  # it is back (after a cut): not gone
+                    os.close(back.pidfd)
         parked = False
         try:
             while True:
@@ -401,13 +400,14 @@ class Proxy:
             sock.close()
             if session.region is not None:
                 session.region.close()
-            if session.pidfd >= 0:
+            if session.process is not None:
                 with self.swap_lock:  # a rank parked at a cut comes back; one that left may hold memory on
-                    if not parked and swap.alive(session.pidfd) and session.pid not in self.departed:
-                        self.departed[session.pid] = session.pidfd
+                    process, session.process, session.inside = session.process, None, False
+                    if (not parked and session.on_device and len(self.departed) < MAX_DEPARTED
+                            and process.pid not in self.departed and swap.alive(process.pidfd)):
+                        self.departed[process.pid] = process
                     else:
-                        os.close(session.pidfd)
-                session.pidfd = -1
+                        os.close(process.pidfd)
             with self.cond:
                 if self.sessions.get(rank) is session:
                     del self.sessions[rank]
@@ -533,54 +533,46 @@ class Proxy:
     def _on_device(self, session: Session) -> None:
         """Before the rank computes again: its GPU memory back on the GPU if it is out, after the
         waiting ranks' memory has gone out as far as `proxy.gpu_swap` says (see `swap`)."""
-        if self.memory is None:
+        if self.memory is None or session.process is None:
             session.on_device = True
             return
         started = time.monotonic()
         moved: list[tuple[str, int, int]] = []
+        rank = session.rank
         with self.swap_lock:
             with self.cond:
-                if self.sessions.get(session.rank) is not session:
+                process = session.process
+                if self.sessions.get(rank) is not session or process is None:
                     return
-                inside = [r for r, s in self.sessions.items()
-                          if s.inside and s is not session and s.pidfd >= 0]
+                inside = [r for r, s in self.sessions.items() if s.inside and s is not session and s.process]
                 order = swap.eviction_order(inside, list(self.turns.waiting))
-                others = {r: self.sessions[r] for r in order}
+                others = {r: self.sessions[r].process for r in order}
+                self.turns.moving = self.turns.holds(rank)  # its turn begins once its memory is back
             try:
-                free, used = self.memory.usage()
-                for rank, other in [*others.items(), (session.rank, session)]:
-                    if rank not in self.out and other.pid in used:
-                        self.footprints[rank] = used[other.pid]
-                if not session.on_device and session.rank not in self.out and \
-                        self.memory.is_out(session.pid, session.pidfd):
-                    self.out.add(session.rank)  # restored with its memory out, or moved by another proxy
-                mode = SwapMode(self.limits.gpu_swap) if self.sliced else SwapMode.NEVER
-                decided = swap.plan(mode, session.rank, self.footprints, self.out, order, free,
-                                    self.limits.gpu_swap_reserve_bytes)
-            except SwapError as exc:
-                self.log("rank %s: cannot read its GPU's memory (%s): nothing moves", session.rank, exc)
-                decided = swap.Plan()
-            for rank in decided.out:
-                other = others[rank]
-                try:
-                    self.memory.move_out(other.pid, other.pidfd)
-                    self.out.add(rank)
-                    moved.append(("out", rank, self.footprints.get(rank, 0)))
-                except SwapError as exc:
-                    self.log("rank %s: its GPU memory stays on the GPU: %s", rank, exc)
-            if decided.bring_in:
-                self._await_departed(session.rank)
-                try:
-                    self.memory.move_in(session.pid, session.pidfd, self.gpu_pairs)
-                    self.out.discard(session.rank)
-                    moved.append(("in", session.rank, self.footprints.get(session.rank, 0)))
-                except SwapError as exc:
-                    # It cannot compute (its CUDA calls would wait for ever): it is ended as if its
-                    # proxy had gone, and the node agent requeues the job from its last checkpoint.
-                    self.log("rank %s: its GPU memory could not come back; dropping its connection: %s",
-                             session.rank, exc)
-                    session.sock.close()
-                    raise ProxyError(f"the rank's GPU memory could not come back: {exc}") from exc
+                decided = self._swap_plan(session, process, others, order)
+                for other in decided.out:
+                    if self._move_out(other, others[other]):
+                        moved.append(("out", other, self.footprints.get(other, 0)))
+                if decided.bring_in:
+                    self._await_departed(rank)
+                    pairs = ([p for p in self.gpu_pairs if p.new_uuid == getattr(self.memory, "uuid", None)]
+                             if rank in self.restored_out else [])
+                    try:
+                        self.memory.move_in(process, pairs)
+                    except SwapError as exc:
+                        # It cannot compute (its CUDA calls would wait for ever): it is ended as if its
+                        # proxy had gone, and the node agent requeues the job from its last checkpoint.
+                        self.log("rank %s: its GPU memory could not come back; dropping its connection: %s",
+                                 rank, exc)
+                        session.sock.close()
+                        raise ProxyError(f"the rank's GPU memory could not come back: {exc}") from exc
+                    self.out.discard(rank)
+                    self.restored_out.discard(rank)
+                    moved.append(("in", rank, self.footprints.get(rank, 0)))
+            finally:
+                with self.cond:
+                    self.turns.begin(rank, time.monotonic())
+                    self.cond.notify_all()
         with self.cond:
             session.inside, session.on_device = False, True
         if moved:
@@ -589,7 +581,42 @@ class Proxy:
                         **{"in": sum(m[0] == "in" for m in moved)},
                         bytes=sum(m[2] for m in moved))
             LOG.debug("job %s proxy %s: before rank %s computes: %s in %.3fs", self.job_id, self.id,
-                      session.rank, moved, seconds)
+                      rank, moved, seconds)
+
+    def _swap_plan(self, session: Session, process: swap.Process, others: dict[int, swap.Process],
+                   order: list[int]) -> swap.Plan:
+        """Under swap_lock: what moves before `session`'s rank computes, from NVML's measure now."""
+        rank = session.rank
+        try:
+            free, used = self.memory.usage()
+            for other, proc in [*others.items(), (rank, process)]:
+                if other not in self.out and proc.pid in used:
+                    self.footprints[other] = used[proc.pid]
+            if not session.on_device and rank not in self.out and self.memory.is_out(process):
+                self.out.add(rank)  # restored with its memory out: it comes back through the pairs
+                self.restored_out.add(rank)
+            mode = SwapMode(self.limits.gpu_swap) if self.sliced else SwapMode.NEVER
+            return swap.plan(mode, rank, self.footprints, self.out, order, free,
+                             self.limits.gpu_swap_reserve_bytes)
+        except SwapError as exc:
+            self.log("rank %s: cannot read its GPU's memory (%s): no other rank's memory moves", rank, exc)
+            return swap.Plan(bring_in=rank in self.out)
+
+    def _move_out(self, rank: int, process: swap.Process) -> bool:
+        """Under swap_lock: a waiting rank's memory to host memory. Where the driver fails, what
+        state it left the process in decides whether it counts as out."""
+        try:
+            self.memory.move_out(process)
+            self.out.add(rank)
+            return True
+        except SwapError as exc:
+            self.log("rank %s: its GPU memory stays on the GPU: %s", rank, exc)
+            try:
+                if self.memory.is_out(process):
+                    self.out.add(rank)  # it comes back before it computes, as any rank that is out
+            except SwapError:
+                pass
+            return False
 
     # --- operations -------------------------------------------------------------------------------
 
@@ -911,10 +938,12 @@ class Proxy:
         self.stopping = True
         self._teardown()
         self.rank_sockets.close()
-        with self.swap_lock:
-            for pidfd in self.departed.values():
-                os.close(pidfd)
-            self.departed.clear()
+        for process in list(self.departed.values()):  # not under swap_lock: a driver call may hang
+            try:
+                os.close(process.pidfd)
+            except OSError:
+                pass
+        self.departed.clear()
 
     def _on_lost(self, peer: str, why: str) -> None:
         if self.stopping:
@@ -1018,11 +1047,11 @@ class Proxy:
         """Under swap_lock, before `rank`'s memory comes in: where it does not fit, wait (at most
         `proxy.turn_lapse_s`) for ranks that said bye but still hold GPU memory to end. Ranks end at
         different times: one finishing its script frees its memory a moment after its last collective."""
-        with self.cond:
-            connected = {s.pid for s in self.sessions.values()}  # a rank that reconnected is not gone
-        for pid, pidfd in list(self.departed.items()):
-            if pid in connected or not swap.alive(pidfd):
-                os.close(self.departed.pop(pid))
+        with self.cond:  # a rank that reconnected is not gone
+            connected = {s.process.pid for s in self.sessions.values() if s.process is not None}
+        for pid, process in list(self.departed.items()):
+            if pid in connected or not swap.alive(process.pidfd):
+                os.close(self.departed.pop(pid).pidfd)
         if not self.departed:
             return
         deadline = time.monotonic() + self.limits.turn_lapse_s
@@ -1038,10 +1067,10 @@ class Proxy:
                 self.log("rank %s comes back onto the GPU beside ranks that left but still hold memory "
                          "(%s): it may run out of memory", rank, sorted(self.departed))
                 return
-            ended = swap.wait_any(list(self.departed.values()), left)
-            for pidfd in ended:
-                pid = next(p for p, fd in self.departed.items() if fd == pidfd)
-                os.close(self.departed.pop(pid))
+            ended = set(swap.wait_any([p.pidfd for p in self.departed.values()], left))
+            for pid, process in list(self.departed.items()):
+                if process.pidfd in ended:
+                    os.close(self.departed.pop(pid).pidfd)
 
     def set_gpu_pairs(self, pairs: Any) -> dict:
         """A restore's GPU UUIDs, old -> new (from the node agent, before the ranks are restored): a
@@ -1054,7 +1083,7 @@ class Proxy:
             swap.cuda.uuid_bytes(pair.new_uuid)
         with self.cond:
             self.gpu_pairs = made
-        return {"pairs": len(made)}
+        return {"pairs": len(made), "moves": self.memory is not None}
 
 
 def serve_control(proxy: Proxy, path: Path, limits: rpc.Limits | None = None) -> rpc.Server:

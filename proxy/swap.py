@@ -33,9 +33,11 @@ the driver calls.
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import select
 import socket
+import struct
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
@@ -59,13 +61,15 @@ class Plan:
     bring_in: bool = False
 
 
-def need(incoming: int, footprints: Mapping[int, int], out: Set[int]) -> int:
+def need(incoming: int, footprints: Mapping[int, int], out: Set[int]) -> int | None:
     """The GPU memory `incoming` needs before it computes: its footprint where its memory is out;
-    where it is on the GPU, what it lacks of the largest footprint among the device's ranks."""
-    own = footprints.get(incoming, 0)
+    where it is on the GPU, what it lacks of the largest footprint among the device's ranks. A rank
+    whose memory is out at a size never measured (restored so) needs the largest footprint known,
+    or, where none is, an unknown amount (None)."""
+    largest = max(footprints.values(), default=None)
     if incoming in out:
-        return own
-    return max(0, max(footprints.values(), default=0) - own)
+        return footprints.get(incoming, largest)
+    return max(0, (largest or 0) - footprints.get(incoming, 0))
 
 
 def plan(mode: SwapMode, incoming: int, footprints: Mapping[int, int], out: Set[int],
@@ -80,6 +84,8 @@ def plan(mode: SwapMode, incoming: int, footprints: Mapping[int, int], out: Set[
     if mode == SwapMode.NEVER:
         return Plan((), bring_in)
     wanted = need(incoming, footprints, out)
+    if wanted is None:  # nothing to go by: every waiting rank goes out
+        return Plan(tuple(candidates), bring_in)
     going: list[int] = []
     if wanted > 0:
         for rank in candidates:
@@ -91,9 +97,11 @@ def plan(mode: SwapMode, incoming: int, footprints: Mapping[int, int], out: Set[
 
 
 def eviction_order(inside: Iterable[int], waiting: Sequence[int]) -> list[int]:
-    """The ranks that may go out, the one whose turn comes last first: ranks inside an operation (they
-    queue for the turn behind every rank waiting now), then the waiting ranks from the back."""
-    queued = list(waiting)
+    """The ranks that may go out (those `inside` the proxy), the one whose turn comes last first:
+    ranks in an operation (they queue for the turn behind every rank waiting now), then the waiting
+    ranks from the back of the queue."""
+    inside = set(inside)
+    queued = [rank for rank in waiting if rank in inside]
     return [rank for rank in sorted(inside) if rank not in queued] + queued[::-1]
 
 
@@ -119,12 +127,33 @@ def wait_any(pidfds: Sequence[int], timeout: float) -> list[int]:
     return [fd for fd, _ in poller.poll(max(0, int(timeout * 1000)))]
 
 
+@dataclass(frozen=True)
+class Process:
+    """A rank's process as its proxy names it: the pid its socket's peer had at connect, a pidfd of
+    that process, and the uid it connected as."""
+
+    pid: int
+    pidfd: int
+    uid: int
+
+
+def check(process: Process) -> None:
+    """Refuse a process that has ended (its pid may be another process's by now) or has changed
+    its user (it ran a set-user-id program) since it connected."""
+    if process.pidfd < 0 or not alive(process.pidfd):
+        raise SwapError(f"process {process.pid} has ended")
+    try:
+        if os.stat(f"/proc/{process.pid}").st_uid != process.uid:
+            raise SwapError(f"process {process.pid} is no longer of uid {process.uid}")
+    except FileNotFoundError:
+        raise SwapError(f"process {process.pid} has ended") from None
+
+
 class GpuMemory:
     """One GPU's memory, per process (NVML), and processes' GPU state moved out and in (the driver).
 
-    Processes are named by a pidfd (taken when the rank connected, from the socket's peer) and its
-    pid: every call checks first that the process still runs, so a pid the kernel has given to
-    another process since is never acted on."""
+    Every driver call is made only after `check` found the process still running as the user it
+    connected as: while it runs, its pid is not reused."""
 
     def __init__(self, index: int, lock_timeout_ms: int = 60_000):
         try:
@@ -137,6 +166,7 @@ class GpuMemory:
         try:
             pynvml.nvmlInit()
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.uuid = str(pynvml.nvmlDeviceGetUUID(self.handle))
         except pynvml.NVMLError as exc:
             raise cuda.CudaUnavailable(f"NVML cannot read GPU {index}: {exc}") from exc
         self.nvml = pynvml
@@ -151,27 +181,44 @@ class GpuMemory:
             raise SwapError(f"NVML cannot read GPU {self.index}'s memory: {exc}") from exc
         return free, {int(p.pid): int(p.usedGpuMemory or 0) for p in processes}
 
-    def is_out(self, pid: int, pidfd: int) -> bool:
-        self._check(pid, pidfd)
+    def _state(self, process: Process) -> str | None:
+        check(process)
         try:
-            return self.driver.state(pid) == cuda.CHECKPOINTED
+            return self.driver.state(process.pid)
         except cuda.CudaCheckpointFailed:
-            return False  # no CUDA context (yet): nothing of it is out
+            return None  # no CUDA context (yet)
 
-    def move_out(self, pid: int, pidfd: int) -> None:
-        self._check(pid, pidfd)
-        try:
-            cuda.suspend(self.driver, [pid])
-        except cuda.CheckpointError as exc:
-            raise SwapError(f"process {pid}'s GPU memory could not move to host memory: {exc}") from exc
+    def _run(self, process: Process, calls: Sequence[cuda.Call],
+             pairs: Sequence[cuda.GpuPair] = ()) -> None:
+        for call in calls:
+            check(process)
+            self.driver.call(call, pairs)
 
-    def move_in(self, pid: int, pidfd: int, pairs: Sequence[cuda.GpuPair] = ()) -> None:
-        self._check(pid, pidfd)
+    def is_out(self, process: Process) -> bool:
+        """Whether the process cannot run its CUDA work now (its memory out, or locked)."""
+        return self._state(process) in (cuda.CHECKPOINTED, cuda.LOCKED)
+
+    def move_out(self, process: Process) -> None:
+        state = self._state(process)
+        if state is None:
+            return
         try:
-            cuda.resume(self.driver, [pid], pairs)
+            self._run(process, cuda.to_checkpointed({process.pid: state}))
         except cuda.CheckpointError as exc:
-            raise SwapError(f"process {pid}'s GPU memory could not come back to GPU {self.index}: "
+            try:  # back to running, as far as it got
+                self._run(process, cuda.to_running({process.pid: self._state(process) or cuda.RUNNING}))
+            except (cuda.CheckpointError, SwapError):
+                pass
+            raise SwapError(f"process {process.pid}'s GPU memory could not move to host memory: "
                             f"{exc}") from exc
+
+    def move_in(self, process: Process, pairs: Sequence[cuda.GpuPair] = ()) -> None:
+        state = self._state(process)
+        try:
+            self._run(process, cuda.to_running({process.pid: state or cuda.RUNNING}), pairs)
+        except cuda.CheckpointError as exc:
+            raise SwapError(f"process {process.pid}'s GPU memory could not come back to GPU "
+                            f"{self.index}: {exc}") from exc
 
     def close(self) -> None:
         try:
@@ -179,32 +226,30 @@ class GpuMemory:
         except self.nvml.NVMLError:
             pass
 
-    @staticmethod
-    def _check(pid: int, pidfd: int) -> None:
-        if pidfd < 0 or not alive(pidfd):
-            raise SwapError(f"process {pid} has ended")
-
 
 SO_PEERPIDFD = 77  # Linux 6.5: a pidfd of the socket's peer, taken when it connected
 
 
-def peer_pidfd(sock: socket.socket, pid: int, uid: int) -> int:
-    """A pidfd of the process at the other end of a unix socket (`pid`, `uid`: its SO_PEERCRED),
-    or -1 where it is gone. The kernel's own (SO_PEERPIDFD) names exactly the process that
-    connected; on an older kernel the pid is opened, and kept only if that process still has the
-    peer's uid (the pid may have been reused since it connected, though not by that user's ends)."""
+def peer_process(sock: socket.socket) -> Process | None:
+    """The process at the other end of a unix socket, as it was when it connected (SO_PEERCRED),
+    with a pidfd of it; None where it is gone. The kernel's own pidfd (SO_PEERPIDFD) names exactly
+    the process that connected; a kernel without it has the pid opened, kept only if that process
+    still runs as the peer's uid."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))
     try:
-        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
-    except OSError:
-        pass
+        return Process(pid, sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD), uid)
+    except OSError as exc:
+        if exc.errno != errno.ENOPROTOOPT:
+            return None  # gone (ESRCH), or a pidfd the kernel would not give
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
-        return -1
+        return None
     try:
-        if os.stat(f"/proc/{pid}").st_uid == uid and alive(pidfd):
-            return pidfd
-    except OSError:
-        pass
-    os.close(pidfd)
-    return -1
+        process = Process(pid, pidfd, uid)
+        check(process)
+        return process
+    except SwapError:
+        os.close(pidfd)
+        return None

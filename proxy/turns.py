@@ -59,6 +59,7 @@ class Turns:
     handovers: int = 0  # how often the turn went from one rank to another
     lapses: int = 0  # how often a holder lost the turn for keeping it too long
     since: float = 0.0  # when the holder got the turn (the caller's clock)
+    moving: bool = False  # the holder's GPU memory is being brought back (proxy.swap): its turn waits
 
     def request(self, rank: int, now: float = 0.0) -> bool:
         """`rank` wants the turn: True when it holds it now (it was free, or already its own)."""
@@ -72,15 +73,21 @@ class Turns:
         return False
 
     def lapse_at(self, limit: float) -> float | None:
-        """When the holder's turn lapses for the ranks waiting (None: nobody holds it)."""
-        return None if self.holder is None else self.since + limit
+        """When the holder's turn lapses for the ranks waiting (None: nobody holds it, or its memory
+        is still being brought back: its turn has not begun)."""
+        return None if self.holder is None or self.moving else self.since + limit
+
+    def begin(self, rank: int, now: float) -> None:
+        """`rank`'s memory is back on the device: if it holds the turn, its time runs from `now`."""
+        if self.holder == rank:
+            self.moving, self.since = False, now
 
     def lapse(self, now: float) -> int | None:
         """The holder kept the turn too long: it runs on beside the others, and the turn goes to
         whoever waited longest, from `now` (the others wait on, in order). Returns the new holder."""
         if self.holder is None or not self.waiting:
             return None
-        self.holder, self.since = self.waiting.popleft(), now
+        self.holder, self.since, self.moving = self.waiting.popleft(), now, False
         self.lapses += 1
         return self.holder
 
@@ -98,7 +105,7 @@ class Turns:
         if self.holder != rank:
             return None
         self.holder = self.waiting.popleft() if self.waiting else None
-        self.since = now
+        self.since, self.moving = now, False
         if self.holder is not None:
             self.handovers += 1
         return self.holder

@@ -340,3 +340,23 @@ def test_a_checkpoint_leaves_a_rank_whose_proxy_moved_its_memory_out_as_it_is_an
     with engine._gpu_state_out(1, stop=True) as meta:
         assert (meta["cuda"]["tasks"], meta["cuda"]["swapped"]) == ([], [2])
         assert meta["cuda"]["gpus"] == [gpu(0, 1).record()]
+
+
+@pytest.mark.parametrize("proxies_bring_in", [True, False])
+def test_a_restore_leaves_a_rank_restored_with_its_memory_out_to_its_proxy_where_the_proxy_can(
+        tmp_path, monkeypatch, proxies_bring_in: bool) -> None:
+    """Inner pid 1 was on the GPU at the dump, 2 had its memory out (its proxy had moved it): the
+    engine brings 1 back, and 2 too where the node's proxies cannot (no NVML or driver bindings)."""
+    from types import SimpleNamespace
+
+    from singularity_slurm.node import engine as engine_mod
+
+    engine = engine_restoring(tmp_path, monkeypatch, "wait", [gpu(0, 1)])
+    driver = ScriptedDriver({10: cuda.CHECKPOINTED, 11: cuda.CHECKPOINTED})
+    monkeypatch.setattr(engine_mod.jobcgroup, "tree", lambda pid: [10, 11, 12])
+    monkeypatch.setattr(cuda, "inner_pids", lambda pids: {p: p - 9 for p in pids})
+    manifest = SimpleNamespace(seq=7, meta={"cuda": {"tasks": [1], "swapped": [2]}})
+
+    engine._gpu_state_in(99, manifest, driver, [], with_swapped=not proxies_bring_in)
+
+    assert driver.now == {10: cuda.RUNNING, 11: cuda.CHECKPOINTED if proxies_bring_in else cuda.RUNNING}

@@ -32,6 +32,14 @@ def test_a_rank_whose_memory_is_out_needs_its_footprint_one_on_the_gpu_what_it_l
     assert need(1, footprints, out=set()) == 4 * GIB  # it grows to its peers' size at its first steps
     assert need(0, footprints, out=set()) == 0
     assert need(3, {}, out=set()) == 0  # nothing measured yet
+    # restored with its memory out, never measured here: as large as its largest peer, or unknown
+    assert need(3, footprints, out={3}) == 6 * GIB
+    assert need(3, {}, out={3}) is None
+
+
+def test_a_rank_out_at_an_unknown_size_has_every_waiting_rank_go_out_first() -> None:
+    assert plan(SwapMode.AUTO, 3, {}, {3}, [2, 1], free=100 * GIB, reserve=GIB) == Plan((2, 1), True)
+    assert plan(SwapMode.AUTO, 3, {1: GIB}, {3}, [2, 1], free=100 * GIB, reserve=GIB) == Plan((), True)
 
 
 def test_auto_moves_nothing_while_the_ranks_fit_together() -> None:
@@ -70,6 +78,7 @@ def test_the_incoming_rank_is_never_moved_out_for_itself() -> None:
 def test_eviction_order_is_the_ranks_in_an_operation_then_the_queue_from_its_back() -> None:
     assert eviction_order(inside=[3, 0, 2, 1], waiting=[2, 0]) == [1, 3, 0, 2]
     assert eviction_order(inside=[], waiting=[]) == []
+    assert eviction_order(inside=[1], waiting=[2, 1]) == [1]  # only ranks the proxy may move
 
 
 @pytest.mark.parametrize("text,problem", [
@@ -94,26 +103,41 @@ def test_only_a_gpus_cuda_proxy_moves_memory_and_without_a_driver_none_does(capl
     assert "proxy.gpu_swap has no effect" in caplog.text
 
 
-def test_a_peers_pidfd_names_the_process_that_connected_and_none_once_it_has_ended() -> None:
-    left, right = socket.socketpair(socket.AF_UNIX)
-    pidfd = swap.peer_pidfd(left, os.getpid(), os.getuid())
+def test_a_peer_is_named_by_a_pidfd_of_the_process_that_connected_refused_once_it_has_ended() -> None:
+    left, right = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), None
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = f"/tmp/swap-test-{os.getpid()}.sock"
+    server.bind(path)
+    server.listen(1)
     try:
-        assert pidfd >= 0 and swap.alive(pidfd)
+        child = os.fork()
+        if child == 0:  # connects, then ends
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).connect(path)
+            os._exit(0)
+        right, _ = server.accept()
+        os.waitpid(child, 0)
+        process = swap.peer_process(right)
+        if process is not None:  # the kernel's pidfd of the ended connector, or none
+            assert process.pid == child and not swap.alive(process.pidfd)
+            with pytest.raises(swap.SwapError, match=f"process {child} has ended"):
+                swap.check(process)
+            os.close(process.pidfd)
+
+        left.connect(path)
+        mine, _ = server.accept()
+        process = swap.peer_process(mine)
+        assert (process.pid, process.uid) == (os.getpid(), os.getuid()) and swap.alive(process.pidfd)
+        swap.check(process)
+        with pytest.raises(swap.SwapError, match="is no longer of uid"):
+            swap.check(swap.Process(process.pid, process.pidfd, process.uid + 1))
+        os.close(process.pidfd)
+        mine.close()
     finally:
-        os.close(pidfd)
         left.close()
-        right.close()
-    child = os.fork()
-    if child == 0:
-        os._exit(0)
-    pidfd = os.pidfd_open(child)
-    os.waitpid(child, 0)
-    try:
-        assert not swap.alive(pidfd)
-        with pytest.raises(swap.SwapError, match=f"process {child} has ended"):
-            swap.GpuMemory._check(child, pidfd)
-    finally:
-        os.close(pidfd)
+        server.close()
+        if right is not None:
+            right.close()
+        os.unlink(path)
 
 
 # --- a proxy's bookkeeping, with real workers ------------------------------------------------------
@@ -129,7 +153,7 @@ mode, out = sys.argv[1], Path(sys.argv[2])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 spans, bad = [], []
-for i in range(12):
+for i in range(3 if mode == "short" else 12):
     began = time.monotonic()
     x = torch.full((4096,), float(rank + i))
     for _ in range(20):
@@ -157,8 +181,8 @@ class GpuStandIn:
     while their memory is on it. It records every move (the caller's monotonic clock is the workers'
     too) and what would have run out of memory."""
 
-    def __init__(self, total: int, each: int, out: set[int] | None = None):
-        self.total, self.each = total, each
+    def __init__(self, total: int, each: int, out: set[int] | None = None, delay: float = 0.0):
+        self.total, self.each, self.delay = total, each, delay  # delay: seconds a move takes
         self.out = set(out or ())
         self.seen: set[int] = set()
         self.moves: list[tuple[float, str, int]] = []
@@ -167,13 +191,14 @@ class GpuStandIn:
         self.refused: list[int] = []  # processes the proxy named that had ended
         self.lock = threading.Lock()
 
-    def _check(self, pid: int, pidfd: int) -> None:
-        """What GpuMemory checks before every call: the named process still runs."""
+    def _check(self, process: swap.Process) -> int:
+        """What GpuMemory checks before every call: the named process still runs as its user."""
         try:
-            swap.GpuMemory._check(pid, pidfd)
+            swap.check(process)
         except swap.SwapError:
-            self.refused.append(pid)
+            self.refused.append(process.pid)
             raise
+        return process.pid
 
     def resident(self) -> list[int]:
         """The processes with memory on the GPU: seen, not out, and still running (an ended
@@ -185,21 +210,23 @@ class GpuStandIn:
             on = self.resident()
             return max(0, self.total - self.each * len(on)), {pid: self.each for pid in on}
 
-    def is_out(self, pid: int, pidfd: int) -> bool:
-        self._check(pid, pidfd)
+    def is_out(self, process: swap.Process) -> bool:
+        pid = self._check(process)
         with self.lock:
             self.seen.add(pid)
             return pid in self.out
 
-    def move_out(self, pid: int, pidfd: int) -> None:
-        self._check(pid, pidfd)
+    def move_out(self, process: swap.Process) -> None:
+        pid = self._check(process)
+        time.sleep(self.delay)
         with self.lock:
             assert pid not in self.out, f"{pid} moved out twice"
             self.out.add(pid)
             self.moves.append((time.monotonic(), "out", pid))
 
-    def move_in(self, pid: int, pidfd: int, pairs=()) -> None:
-        self._check(pid, pidfd)
+    def move_in(self, process: swap.Process, pairs=()) -> None:
+        pid = self._check(process)
+        time.sleep(self.delay)
         with self.lock:
             assert pid in self.out, f"{pid} moved in while on the GPU"
             if self.total - self.each * len(self.resident()) < self.each:
@@ -250,6 +277,21 @@ def test_ranks_that_do_not_fit_together_move_out_while_they_wait_and_compute_on_
     assert stats["bytes"] >= stats["out"] * 6 * GIB
 
 
+def test_moves_slower_than_the_turn_lapse_keep_every_rank_on_the_gpu_and_none_beside_another(job) -> None:
+    """Moves that take longer than proxy.turn_lapse_s (the rule itself: test_turns): every rank
+    computes with its memory on the GPU, nothing comes in where it does not fit, no turn lapses."""
+    gpu = GpuStandIn(total=10 * GIB, each=6 * GIB, delay=0.6)
+    gpu.start()
+    run = job({0: "p0", 1: "p0"}, limits=ProxyConfig(time_slicing="turns", turn_lapse_s=1),
+              memory={"p0": gpu})
+    run.start(WORKER, "short")
+    results = run.results()
+
+    check_every_rank_computed_on_the_gpu(run, results, gpu)
+    assert sum(what == "out" for _, what, _ in gpu.moves) >= 2
+    assert run.proxies["p0"].status()["turns"]["lapses"] == 0
+
+
 def test_ranks_that_fit_together_stay_on_the_gpu_unless_the_admin_says_always(job) -> None:
     fits = GpuStandIn(total=20 * GIB, each=6 * GIB)
     fits.start()
@@ -281,17 +323,20 @@ def test_never_leaves_memory_on_the_gpu(job) -> None:
 def test_a_rank_restored_with_its_memory_out_comes_back_onto_the_gpu_through_the_restores_pairs(
         job, slicing: str) -> None:
     gpu = GpuStandIn(total=100 * GIB, each=6 * GIB)
+    gpu.uuid = "GPU-66666666-7777-8888-9999-000000000000"  # this proxy's GPU
     run = job({0: "p0", 1: "p0"}, limits=ProxyConfig(time_slicing=slicing), memory={"p0": gpu})
-    pairs = [["GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"]]
-    assert run.proxies["p0"].handle({"op": "gpu_pairs", "pairs": pairs}) == {"pairs": 1}
+    mine = ["GPU-11111111-2222-3333-4444-555555555555", gpu.uuid]
+    pairs = [mine, ["GPU-22222222-2222-3333-4444-555555555555", "GPU-77777777-7777-8888-9999-000000000000"]]
+    assert run.proxies["p0"].handle({"op": "gpu_pairs", "pairs": pairs}) == {"pairs": 2, "moves": True}
     run.start(WORKER, "swap")
+    gpu.seen = {run.workers[0].pid, run.workers[1].pid}
     gpu.out = {run.workers[1].pid}  # as a restore leaves it, before it reconnects
     gpu.start()
     results = run.results()
 
     check_every_rank_computed_on_the_gpu(run, results, gpu)
     assert [(what, who) for _, what, who in gpu.moves] == [("in", run.workers[1].pid)]
-    assert gpu.pairs == [pairs]
+    assert gpu.pairs == [[mine]]  # once, and only the pair onto this proxy's GPU
 
 
 def test_bad_gpu_pairs_are_refused_and_change_nothing(job) -> None:

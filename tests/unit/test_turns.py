@@ -91,3 +91,17 @@ def test_a_cancelled_waiter_waits_no_more_and_a_lapse_needs_a_waiter() -> None:
 ])
 def test_which_devices_take_turns(mode: Slicing, exclusive: bool, ranks: int, expected: bool) -> None:
     assert takes_turns(mode, exclusive, ranks) is expected
+
+
+def test_a_turn_does_not_lapse_while_its_holders_memory_is_brought_back_and_runs_from_then() -> None:
+    turns = Turns()
+    turns.request(0, now=0.0)
+    turns.request(1, now=0.0)
+    turns.moving = True  # rank 0's GPU memory is coming back (proxy.swap): it does not compute yet
+    assert turns.lapse_at(10) is None
+    turns.begin(0, now=25.0)
+    assert (turns.moving, turns.lapse_at(10)) == (False, 35.0)
+    turns.begin(1, now=40.0)  # not the holder: nothing changes
+    assert turns.lapse_at(10) == 35.0
+    turns.moving = True
+    assert turns.release(0, now=50.0) == 1 and not turns.moving  # a new holder's turn is its own
