@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from singularity_slurm.errors import CheckpointError
@@ -213,31 +213,28 @@ def uuid_bytes(text: str) -> bytes:
     return bytes.fromhex(digits)
 
 
-def gpu_tasks(pids: Iterable[int]) -> list[int]:
-    """The processes among `pids` that map an NVIDIA device (their maps read by root from the
+def _mapping(pids: Iterable[int], test: Callable[[str], bool]) -> list[int]:
+    """The processes among `pids` whose /proc/PID/maps text passes `test` (read by root from the
     kernel; a process that ended meanwhile is skipped)."""
     found = []
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as maps:
-                if holds_device(maps.read()):
+                if test(maps.read()):
                     found.append(pid)
         except (FileNotFoundError, ProcessLookupError):
             continue
     return found
+
+
+def gpu_tasks(pids: Iterable[int]) -> list[int]:
+    """The processes among `pids` that map an NVIDIA device (what holds GPU state on a GPU)."""
+    return _mapping(pids, holds_device)
 
 
 def cuda_tasks(pids: Iterable[int]) -> list[int]:
     """The processes among `pids` that map the CUDA driver's library (they may hold CUDA state)."""
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                if loads_cuda(maps.read()):
-                    found.append(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return found
+    return _mapping(pids, loads_cuda)
 
 
 def checkpointed_tasks(driver: Driver, pids: Iterable[int]) -> list[int]:
