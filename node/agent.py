@@ -152,6 +152,8 @@ class AgentState:
         self.cut_timeout = cut_timeout
         self.proxies: dict[str, Path] = {}  # proxies serving ranks of the tree: id -> control socket
         self.size: dict[str, int] | None = None  # a distributed job's ranks, devices, nodes in all
+        self.rank_proxies: dict[int, str] = {}  # this node's ranks -> the proxy serving each
+        self.rank_gpus: dict[int, int | None] = {}  # this node's ranks -> the GPU their proxy serves
         self.turns: list[str] = []  # of those, the proxies whose ranks take turns on their device
         self.proxy_lost: str | None = None
         # One request goes to the launcher at a time (`pending`): one command, one answer.
@@ -247,7 +249,8 @@ class AgentState:
                                                   "LOCAL_RANK": str(local),
                                                   "LOCAL_WORLD_SIZE": str(len(ranks))}}
                         for local, rank in enumerate(ranks)}
-        engines = {index: engine.for_tree(index, rank=ranks is not None) for index in requests}
+        engines = {index: engine.for_tree(index, rank=ranks is not None, gpu=self.rank_gpus.get(index))
+                   for index in requests}
         specs = {index: engines[index].tree_spec(req, self.job_uid, self.job_id)
                  for index, req in requests.items()}
         self.run_key = _run_key(request)
@@ -290,7 +293,8 @@ class AgentState:
                 indices = ranks
             else:
                 indices = [request.get("rank", 0)]
-            engines = {index: engine.for_tree(index, rank=ranks is not None) for index in indices}
+            engines = {index: engine.for_tree(index, rank=ranks is not None, gpu=self.rank_gpus.get(index))
+                       for index in indices}
             for tree_engine in engines.values():
                 tree_engine.begin(self.job_id)
             self.run_key = _run_key(request)
@@ -395,25 +399,26 @@ class AgentState:
     def op_devices(self, request: dict) -> dict:
         return {"node": self.node, "proxies": list(self.local_proxies())}
 
-    def _gpu_pairs_to_proxies(self, pairs: list) -> bool:
-        """A restore's GPU UUID pairs to this node's proxies, before a rank restored with its GPU
-        memory out (see proxy.swap) runs: its proxy brings that memory onto its GPU through them.
-        False where a proxy cannot (no NVML or driver bindings there): the engine brings it in."""
-        moves = True
-        for proxy, path in self.proxies.items():
-            try:
-                answer = rpc.call(path, {"op": "gpu_pairs",
-                                         "pairs": [[p.old_uuid, p.new_uuid] for p in pairs]},
-                                  timeout=30, service=f"proxy {proxy}")
-            except rpc.RpcError as exc:
-                raise RequestError(f"proxy {proxy}: {exc}", kind=exc.kind) from exc
-            moves = moves and isinstance(answer, dict) and answer.get("moves") is True
-        return moves
+    def _gpu_pairs_to_proxies(self, rank: int, pairs: list) -> bool:
+        """A restored rank's GPU UUID pairs to the proxy that serves it, before its tree runs: where
+        its GPU memory was out at the checkpoint (see proxy.swap), the proxy brings it onto its GPU
+        through them. False where that proxy cannot (no NVML or driver bindings there): the engine
+        brings it in."""
+        proxy = self.rank_proxies.get(rank)
+        if proxy is None or proxy not in self.proxies:
+            return False
+        try:
+            answer = rpc.call(self.proxies[proxy], {"op": "gpu_pairs", "rank": rank,
+                                                    "pairs": [[p.old_uuid, p.new_uuid] for p in pairs]},
+                              timeout=30, service=f"proxy {proxy}")
+        except rpc.RpcError as exc:
+            raise RequestError(f"proxy {proxy}: {exc}", kind=exc.kind) from exc
+        return isinstance(answer, dict) and answer.get("moves") is True
 
     def _configure_proxies(self, config: Any) -> list[int] | None:
         """Configure this node's proxies for a rendezvous generation; this node's ranks, or None."""
         if config is None:
-            self.proxies, self.size = {}, None
+            self.proxies, self.size, self.rank_proxies, self.rank_gpus = {}, None, {}, {}
             return None
         if not isinstance(config, dict) or not isinstance(config.get("generation"), str):
             raise RequestError("proxy: needs {generation: string, placement: {rank: proxy id}}")
@@ -455,6 +460,8 @@ class AgentState:
                 turns.append(proxy)
         self.turns = turns
         self.proxies = {proxy: local[proxy] for proxy in sorted(used, key=_device_order)}
+        self.rank_proxies = {int(r): proxy for r, proxy in placement.items() if proxy in local}
+        self.rank_gpus = {rank: gpu_of_proxy(proxy) for rank, proxy in self.rank_proxies.items()}
         devices = set(placement.values())
         self.size = {"ranks": len(placement), "devices": len(devices),
                      "nodes": len({proxy.split("/", 1)[0] for proxy in devices})}
@@ -848,6 +855,12 @@ def _run_key(request: dict, field: str = "run") -> str | None:
     if not isinstance(key, str) or not RUN_KEY.fullmatch(key):
         raise RequestError(f"{field} must be a run key from run_begin, got {key!r}")
     return key
+
+
+def gpu_of_proxy(proxy: str) -> int | None:
+    """The GPU (Slurm's number) a proxy id NODE/gpuN serves; None for a CPU slot."""
+    device = proxy.split("/", 1)[-1]
+    return int(device[3:]) if device.startswith("gpu") and device[3:].isdigit() else None
 
 
 def _device_order(proxy: str) -> tuple[str, int, str]:

@@ -154,10 +154,12 @@ class CheckpointEngine:
         # anonymous device numbers the tree's earlier incarnations mounted (see checkpoint.anondev)
         self.devices: list[int] = []
         self.gpus: list[int] = []  # the job's GPUs on this node, as Slurm numbers them (the Prolog's)
+        self.gpu: int | None = None  # a rank's tree: the GPU of the proxy serving it (its placement's)
 
-    def for_tree(self, tree: int, rank: bool = False) -> CheckpointEngine:
-        """This engine for one of the job's process trees: a rank of a `--world-size` job (`rank`),
-        or the node's one tree (its index among the job's nodes).
+    def for_tree(self, tree: int, rank: bool = False, gpu: int | None = None) -> CheckpointEngine:
+        """This engine for one of the job's process trees: a rank of a `--world-size` job (`rank`,
+        on the GPU `gpu` where its proxy serves one), or the node's one tree (its index among the
+        job's nodes).
 
         The ranks of a distributed job share the job's folder at the store's root, and so one dedup
         namespace (their replicas hold the same parameters), each checkpoint naming its rank. A
@@ -167,7 +169,7 @@ class CheckpointEngine:
         if not isinstance(tree, int) or isinstance(tree, bool) or tree < 0:
             raise RequestError(f"rank must be a non-negative integer, got {tree!r}")
         engine = copy.copy(self)  # shares the upload lock: a node's trees store one after another
-        engine.rank, engine.shared = tree, rank
+        engine.rank, engine.shared, engine.gpu = tree, rank, gpu
         root = self.config.paths.store_root
         engine.store = job_store(root if tree == 0 or rank else root / "ranks" / str(tree))
         engine.devices = []
@@ -411,7 +413,7 @@ class CheckpointEngine:
         cuda.suspend(driver, tasks)
         try:
             yield {"cuda": {"tasks": sorted(inner.values()), "gpus": held, "driver": driver.version,
-                            "swapped": sorted(cuda.inner_pids(swapped).values())}}
+                            "swapped": sorted(cuda.inner_pids(swapped).values()), "gpu": self.gpu}}
         except BaseException:
             self._gpu_back(driver, tasks)  # the dump failed: the job runs on, on its GPUs
             raise
@@ -446,16 +448,16 @@ class CheckpointEngine:
 
     def restore(self, job_id: int, uid: int, generation: str | None = None,
                 run: str | None = None, cgroups: list[Path] | None = None,
-                gpu_pairs: Callable[[list[cuda.GpuPair]], bool] | None = None) -> dict[str, Any]:
+                gpu_pairs: Callable[[int, list[cuda.GpuPair]], bool] | None = None) -> dict[str, Any]:
         """Restore the newest checkpoint whose restored tree holds nothing its user could not open.
 
         A checkpoint that fails that check (see restorecheck), or that criu cannot restore, is refused
         like a corrupt one, and the next older one is tried; with `generation` (a multi-node
         checkpoint) there is no other.
         The restored tree joins the job's `cgroups` before any of its tasks runs. `gpu_pairs` is told
-        the GPU UUID pairs before the tree runs where a process of it comes back with its GPU memory
-        out: it says whether the proxies bring that memory in at the rank's turn (else it is brought
-        in here, with the others).
+        the tree's rank and GPU UUID pairs before the tree runs where a process of it comes back with
+        its GPU memory out: it says whether the rank's proxy brings that memory in at the rank's turn
+        (else it is brought in here, with the others).
         """
         started = time.monotonic()
         self._check_trusted(job_id)
@@ -501,7 +503,8 @@ class CheckpointEngine:
         }
 
     def _restore_one(self, job_id: int, manifest: Manifest, creds: UserCreds, cgroups: list[Path],
-                     gpu_pairs: Callable[[list[cuda.GpuPair]], bool] | None = None) -> tuple[int, list[str]]:
+                     gpu_pairs: Callable[[int, list[cuda.GpuPair]], bool] | None = None,
+                     ) -> tuple[int, list[str]]:
         """Put one checkpoint back and restore its tree; it runs only if what it holds passes the
         check (else RestoreRefused, and criu has killed the tree)."""
         work = self.run_dir / f"restore-{self.rank}-{manifest.seq}"
@@ -541,7 +544,7 @@ class CheckpointEngine:
             gpu_plan = self._gpu_plan(manifest)
             proxies_bring_in = False
             if gpu_plan is not None and manifest.meta["cuda"].get("swapped") and gpu_pairs is not None:
-                proxies_bring_in = gpu_pairs(gpu_plan[1])
+                proxies_bring_in = gpu_pairs(self.rank, gpu_plan[1])
             devices = anondev.history(manifest.meta.get("anon_devs"), anondev.checkpoint_devices(image_dir))
             with anondev.reserved(devices, self.config.paths.state_dir / anondev.LOCK_NAME):
                 pid = self.criu.restore(image_dir, check=check,
@@ -580,7 +583,16 @@ class CheckpointEngine:
         try:
             driver = cuda.Driver(lock_timeout_ms=self.config.gpu.lock_timeout_s * 1000)
             old = [gpus.Gpu.of_record(item) for item in record.get("gpus", [])]
-            new = gpus.inventory(self.gpus or [gpu.index for gpu in old])
+            ran_on = record.get("gpu")
+            if self.gpu is not None and isinstance(ran_on, int) and not isinstance(ran_on, bool):
+                # A rank: from the GPU its proxy served at the dump onto its proxy's GPU now (its
+                # placement may differ: a job restored onto fewer or other GPUs shares them).
+                old = [gpu for gpu in old if gpu.index == ran_on]
+                if not old:
+                    raise CheckpointError(f"it names GPU {ran_on} for its rank but records no such GPU")
+                new = gpus.inventory([self.gpu])
+            else:
+                new = gpus.inventory(self.gpus or [gpu.index for gpu in old])
             return driver, gpus.restore_pairs(old, new)
         except gpus.GpuMismatch as exc:
             if exc.elsewhere and self.config.gpu.on_mismatch == "wait":

@@ -12,7 +12,7 @@ The node agent drives it through a root-only control socket:
   resume {}                           after the dump: serve the parked ranks again
   ready {timeout}                     wait until this generation's mesh is up, or failed (mesh_error)
   status {} | stats {}                state of the ranks and the barrier | time spent per operation
-  gpu_pairs {pairs}                   a restore's GPU UUIDs, old -> new (see `swap`)
+  gpu_pairs {rank, pairs}             a restored rank's GPU UUIDs, old -> new (see `swap`)
 
 Ranks that share the device take turns on it where `proxy.time_slicing` says so (see `turns`): a
 rank's first hello waits for its turn, and each operation hands the turn on while it runs. On a GPU
@@ -168,7 +168,7 @@ class Proxy:
         self.footprints: dict[int, int] = {}  # rank -> its GPU bytes, as last measured on the GPU
         self.out: set[int] = set()  # ranks whose GPU memory is in host memory now
         self.restored_out: set[int] = set()  # of those, ranks found so at connect (restored so)
-        self.gpu_pairs: list[swap.cuda.GpuPair] = []  # a restore's GPU UUIDs, old -> new
+        self.gpu_pairs: dict[int, list[swap.cuda.GpuPair]] = {}  # a restored rank's GPU UUIDs, old -> new
         # Ranks that left the proxy (bye) but whose processes still run, maybe with GPU memory: a rank
         # that would not fit beside them waits for them to end (pid -> process; closed once they end).
         self.departed: dict[int, swap.Process] = {}
@@ -194,7 +194,7 @@ class Proxy:
             self.issued = {r: {} for r in self.local_ranks}
             self.phase, self.targets, self.ready, self.mesh_error = Phase.RUNNING, {}, False, None
             self.turns = Turns()
-            self.footprints, self.out, self.restored_out, self.gpu_pairs = {}, set(), set(), []
+            self.footprints, self.out, self.restored_out, self.gpu_pairs = {}, set(), set(), {}
             exclusive = bool(getattr(self.device, "exclusive", False))
             self.sliced = takes_turns(Slicing(self.limits.time_slicing), exclusive, len(self.local_ranks))
         if not self.local_ranks:
@@ -555,7 +555,8 @@ class Proxy:
                         moved.append(("out", other, self.footprints.get(other, 0)))
                 if decided.bring_in:
                     self._await_departed(rank)
-                    pairs = ([p for p in self.gpu_pairs if p.new_uuid == getattr(self.memory, "uuid", None)]
+                    pairs = ([p for p in self.gpu_pairs.get(rank, [])
+                              if p.new_uuid == getattr(self.memory, "uuid", None)]
                              if rank in self.restored_out else [])
                     try:
                         self.memory.move_in(process, pairs)
@@ -1037,7 +1038,7 @@ class Proxy:
         if op == "stats":
             return self.stats_report()
         if op == "gpu_pairs":
-            return self.set_gpu_pairs(request["pairs"])
+            return self.set_gpu_pairs(request["rank"], request["pairs"])
         if op == "ping":
             return {"proxy": self.id, "pid": os.getpid()}
         raise ProxyError(f"unknown op {op!r}; valid: configure, quiesce, ready, resume, status, stats, "
@@ -1072,9 +1073,12 @@ class Proxy:
                 if process.pidfd in ended:
                     os.close(self.departed.pop(pid).pidfd)
 
-    def set_gpu_pairs(self, pairs: Any) -> dict:
-        """A restore's GPU UUIDs, old -> new (from the node agent, before the ranks are restored): a
-        rank whose GPU memory was out at the checkpoint comes back onto this GPU through them."""
+    def set_gpu_pairs(self, rank: Any, pairs: Any) -> dict:
+        """A restored rank's GPU UUIDs, old -> new (from the node agent, before the rank's tree is
+        restored): where its GPU memory was out at the checkpoint, it comes back onto this GPU
+        through them."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank not in self.local_ranks:
+            raise ProxyError(f"gpu_pairs: rank {rank!r} is not served by proxy {self.id}")
         if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
             raise ProxyError("gpu_pairs: pairs must be a list of [old UUID, new UUID]")
         made = [swap.cuda.GpuPair(str(old), str(new)) for old, new in pairs]
@@ -1082,7 +1086,7 @@ class Proxy:
             swap.cuda.uuid_bytes(pair.old_uuid)
             swap.cuda.uuid_bytes(pair.new_uuid)
         with self.cond:
-            self.gpu_pairs = made
+            self.gpu_pairs[rank] = made
         return {"pairs": len(made), "moves": self.memory is not None}
 
 

@@ -196,7 +196,9 @@ def preempted(setup: Setup, criu: str, driver: cuda.Driver | None, cut_step: int
         if driver is not None and any(r["swapped"] for r in records.values()):
             here = gpus.inventory([0])
             pairs = [[gpu.uuid, gpu.uuid] for gpu in here]  # the driver's remapping path, onto the same GPU
-            rpc.call(sock, {"op": "gpu_pairs", "pairs": pairs}, timeout=30)
+            for rank, record in records.items():
+                if record["swapped"]:
+                    rpc.call(sock, {"op": "gpu_pairs", "rank": rank, "pairs": pairs}, timeout=30)
             result["gpu_pairs"] = pairs
         for rank, record in records.items():
             restored[rank] = restore(driver, criu, rank, record)

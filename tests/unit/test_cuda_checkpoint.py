@@ -360,3 +360,38 @@ def test_a_restore_leaves_a_rank_restored_with_its_memory_out_to_its_proxy_where
     engine._gpu_state_in(99, manifest, driver, [], with_swapped=not proxies_bring_in)
 
     assert driver.now == {10: cuda.RUNNING, 11: cuda.CHECKPOINTED if proxies_bring_in else cuda.RUNNING}
+
+
+def test_a_rank_restores_from_the_gpu_its_proxy_served_onto_its_proxys_gpu_now(tmp_path, monkeypatch) -> None:
+    """Ranks 0 and 1 ran on GPUs 0 and 1 of a node (UUID tails 1, 2); the job comes back on one GPU
+    (tail 9) that both share: each rank's state moves from its own old GPU onto that one."""
+    from types import SimpleNamespace
+
+    engine = engine_restoring(tmp_path, monkeypatch, "wait", [gpu(0, 9), gpu(1, 8)])
+    ran_on = [gpu(0, 1).record(), gpu(1, 2).record()]
+    for rank, old_tail in ((0, "1"), (1, "2")):
+        tree = engine.for_tree(rank, rank=True, gpu=0)
+        manifest = SimpleNamespace(seq=7, meta={"cuda": {"gpus": ran_on, "gpu": rank}})
+        _, pairs = tree._gpu_plan(manifest)
+        assert [(p.old_uuid[-1], p.new_uuid[-1]) for p in pairs] == [(old_tail, "9")]
+    # the same GPU as at the dump: nothing to map
+    manifest = SimpleNamespace(seq=7, meta={"cuda": {"gpus": [gpu(0, 9).record()], "gpu": 0}})
+    assert engine.for_tree(0, rank=True, gpu=0)._gpu_plan(manifest)[1] == []
+
+
+def test_a_ranks_checkpoint_naming_a_gpu_it_does_not_record_is_refused(tmp_path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from singularity_slurm.checkpoint.criu import RestoreFailed
+
+    engine = engine_restoring(tmp_path, monkeypatch, "wait", [gpu(0, 9)])
+    manifest = SimpleNamespace(seq=7, meta={"cuda": {"gpus": [gpu(0, 1).record()], "gpu": 3}})
+    with pytest.raises(RestoreFailed, match="names GPU 3 for its rank but records no such GPU"):
+        engine.for_tree(0, rank=True, gpu=0)._gpu_plan(manifest)
+
+
+def test_the_gpu_a_proxy_serves_is_its_slurm_number() -> None:
+    from singularity_slurm.node.agent import gpu_of_proxy
+
+    assert [gpu_of_proxy(p) for p in ("n1/gpu0", "n1/gpu12", "n1/cpu0", "n1/gpu", "n1/gpux")] == [
+        0, 12, None, None, None]

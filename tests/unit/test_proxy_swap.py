@@ -327,7 +327,8 @@ def test_a_rank_restored_with_its_memory_out_comes_back_onto_the_gpu_through_the
     run = job({0: "p0", 1: "p0"}, limits=ProxyConfig(time_slicing=slicing), memory={"p0": gpu})
     mine = ["GPU-11111111-2222-3333-4444-555555555555", gpu.uuid]
     pairs = [mine, ["GPU-22222222-2222-3333-4444-555555555555", "GPU-77777777-7777-8888-9999-000000000000"]]
-    assert run.proxies["p0"].handle({"op": "gpu_pairs", "pairs": pairs}) == {"pairs": 2, "moves": True}
+    answer = run.proxies["p0"].handle({"op": "gpu_pairs", "rank": 1, "pairs": pairs})
+    assert answer == {"pairs": 2, "moves": True}
     run.start(WORKER, "swap")
     gpu.seen = {run.workers[0].pid, run.workers[1].pid}
     gpu.out = {run.workers[1].pid}  # as a restore leaves it, before it reconnects
@@ -342,11 +343,14 @@ def test_a_rank_restored_with_its_memory_out_comes_back_onto_the_gpu_through_the
 def test_bad_gpu_pairs_are_refused_and_change_nothing(job) -> None:
     run = job({0: "p0"})
     proxy = run.proxies["p0"]
-    for bad, problem in (("GPU-1", "pairs must be a list"), ([["a"]], "pairs must be a list"),
-                         ([["GPU-1", "GPU-2"]], "not a GPU UUID: 'GPU-1'")):
+    good = [["GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"]]
+    for rank, bad, problem in ((0, "GPU-1", "pairs must be a list"), (0, [["a"]], "pairs must be a list"),
+                               (0, [["GPU-1", "GPU-2"]], "not a GPU UUID: 'GPU-1'"),
+                               (1, good, "rank 1 is not served by proxy p0"),
+                               ("0", good, "rank '0' is not served by proxy p0")):
         with pytest.raises((ProxyError, ValueError), match=problem):
-            proxy.handle({"op": "gpu_pairs", "pairs": bad})
-    assert proxy.gpu_pairs == []
+            proxy.handle({"op": "gpu_pairs", "rank": rank, "pairs": bad})
+    assert proxy.gpu_pairs == {}
 
 
 ENDED_CONNECTOR = r"""
