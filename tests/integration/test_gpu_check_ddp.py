@@ -1,7 +1,9 @@
 """tests/gpu/ddp.py, the GPU check's 2-rank preempt-and-restore, in its CPU form: two ranks of the
 reference DDP script time-sliced through one real proxy, cut, dumped and restored by real criu into a
 new proxy's generation, their logs byte-identical to an undisturbed run's. On a GPU machine the same
-code adds the driver's checkpoint calls (tests/gpu/run.sh); here it keeps that script from rotting."""
+code adds the driver's checkpoint calls (tests/gpu/run.sh); here it keeps that script from rotting.
+It needs no Slurm, but its dumps are heavy: it runs with the integration tests, one at a time, not
+beside them with the unit tests."""
 
 from __future__ import annotations
 
