@@ -22,7 +22,7 @@ notices nothing: it is blocked in its proxy for the whole time, waiting for its 
 A rank's memory comes back before its answer in every mode: a rank whose memory is out must not
 compute (its CUDA calls would wait for ever). That includes a rank restored from a checkpoint taken
 while its memory was out: the node agent leaves such a rank's GPU state in host memory, tells the
-proxies the restore's GPU UUID pairs, and its proxy brings it in (onto this GPU) at its turn.
+rank's proxy its GPU UUID pair, and the proxy brings it in (onto its GPU) at the rank's turn.
 
 Footprints come from NVML (the memory the driver counts per process on this GPU: everything the
 framework's caching allocator reserved and the CUDA context). The decision (`plan`) is a pure
