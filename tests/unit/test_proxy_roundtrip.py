@@ -436,9 +436,11 @@ def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish
 def test_quiesce_gives_up_when_a_rank_issues_nothing_and_the_job_continues(job) -> None:
     run = job({0: "p0", 1: "p1"})
     run.start(WORKER, "stall")
+    # in its second allreduce (busy in the first, it would reach the cut's targets as rank 1 joins)
     run.wait_for("rank 0 waiting for the computing rank 1", lambda: (
-        run.proxies["p0"].status()["ranks"], run.proxies["p1"].status()["ranks"]) == (
-        {"0": "busy"}, {"1": "idle"}))
+        run.proxies["p0"].status()["ranks"], run.proxies["p1"].status()["ranks"],
+        sum(run.proxies["p0"].issued[0].values()), sum(run.proxies["p1"].issued[1].values())) == (
+        {"0": "busy"}, {"1": "idle"}, 2, 1))
 
     started = time.monotonic()
     answers = run.on_every_proxy(lambda p: p.quiesce(timeout=2))
