@@ -58,6 +58,7 @@ class SimParams:
     app_checkpoint_s: float = 3600.0
     window_s: float = accounting.WINDOW_S
     controller_period_s: float = 60.0
+    controller_start_s: float = 0.0  # the controller's first decision (then one every period)
     placement: str = "pool"  # or "nodes" (see the module's docstring)
 
     @property
@@ -180,7 +181,7 @@ class Simulation:
         for job in self.jobs.values():
             self._at(job.spec.submit, "submit", job)
         if params.mode == "controller":
-            self._at(0.0, "tick", None)
+            self._at(params.controller_start_s, "tick", None)
 
     # --- events ---------------------------------------------------------------------------------
 

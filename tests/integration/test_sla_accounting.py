@@ -357,7 +357,7 @@ def test_controller_protects_the_standard_job_and_grows_the_shrunk_one_and_fract
     records = {name: registry.job(job_id) for name, job_id in
                (("B", basic), ("S", standard), ("P1", everything), ("P2", one_node))}
     cluster = cluster_timeline(records, logged(standard), logged(basic))
-    replay = replay_in_simulator(records, queued, 4 // config.elastic.max_ranks_per_device)
+    replay = replay_in_simulator(records, queued, 4 // config.elastic.max_ranks_per_device, grown[0]["time"])
     print(f"the cluster's timeline: {cluster}\nthe simulator's: {replay.timeline}")
     for name, timeline in (("cluster", cluster), ("simulator", replay.timeline)):
         assert in_order(timeline) == [], f"the {name}'s events out of the scenario's order: {timeline}"
@@ -454,14 +454,19 @@ def in_order(timeline: list[tuple[float, str, str, int]]) -> list[str]:
     return wrong + [f"{event} is not the scenario's" for event in extra]
 
 
-def replay_in_simulator(records: dict[str, dict], queued: float, min_basic: int) -> sim.Simulation:
+def replay_in_simulator(records: dict[str, dict], queued: float, min_basic: int,
+                        decided_at: float) -> sim.Simulation:
     """The scenario as a trace, with the cluster's measured costs: the first premium job arrives when
     Slurm's preemption reached the first of its victims (their first checkpoint began), the second
-    when the test submitted it, and both run as long as they ran on the cluster; the two jobs start
+    when the test submitted it, and both hold their devices as long as they did on the cluster from
+    when the devices they waited for were free (the first: its victims' release; the second: the
+    first's end), Slurm's delay in starting them included; the two jobs start
     when they first ran, the standard one runs as long as it did, the elastic one longer than the
     scenario; each checkpoints in the time from that arrival to its devices' release, and restores
     in the time from the first premium job's end to its running again. The same controller: a 2 s
-    period, a 120 s window, a 20 s preemption cost."""
+    period, deciding in step with the cluster's (one of its decisions was at `decided_at`: a
+    decision up to a period later would move the grow, and with it the fractions, by as much), a
+    120 s window, a 20 s preemption cost."""
     t0 = origin(records)
     end_p1 = records["P1"]["ended_at"]
     arrived = min(e["time"] - e["seconds"] for name in ("S", "B") for e in records[name]["events"]
@@ -473,17 +478,17 @@ def replay_in_simulator(records: dict[str, dict], queued: float, min_basic: int)
         resumed = min(e["time"] for e in record["events"] if e["event"] == "running" and e["time"] > end_p1)
         return {"checkpoint_s": released - arrived, "restore_s": resumed - end_p1}
 
-    def ran(record: dict) -> float:
-        return record["ended_at"] - min(e["time"] for e in record["events"] if e["event"] == "node_start")
-
+    released = max(e["time"] for name in ("S", "B") for e in records[name]["events"]
+                   if e["event"] == "node_end" and arrived < e["time"] < end_p1)
     standard_work = sum(s.end - s.start for s in accounting.segments_from_events(records["S"]["events"], 2))
     standard_at, basic_at = first_run(records["S"]) - t0, first_run(records["B"]) - t0
     trace = [TraceJob("B", basic_at, 10_000.0, 4, "basic", min_basic, **costs(records["B"])),
              TraceJob("S", standard_at, standard_work, 2, "standard", 2, **costs(records["S"])),
-             TraceJob("P1", arrived - t0, ran(records["P1"]), 8, "premium", 8),
-             TraceJob("P2", queued - t0, ran(records["P2"]), 4, "premium", 4)]
+             TraceJob("P1", arrived - t0, end_p1 - released, 8, "premium", 8),
+             TraceJob("P2", queued - t0, records["P2"]["ended_at"] - end_p1, 4, "premium", 4)]
     replay = sim.Simulation(trace, sim.SimParams(nodes=2, gpus_per_node=4, mode="controller",
-                                                 window_s=CONTROLLER_WINDOW_S, controller_period_s=2.0),
+                                                 window_s=CONTROLLER_WINDOW_S, controller_period_s=2.0,
+                                                 controller_start_s=(decided_at - t0) % 2.0),
                             policy.Params(preemption_cost_s=PREEMPTION_COST_S))
     replay.run()
     replay.timeline = [(t + t0, what, name, devices) for t, what, name, devices in replay.timeline]
