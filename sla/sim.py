@@ -58,8 +58,8 @@ class SimParams:
     app_checkpoint_s: float = 3600.0
     window_s: float = accounting.WINDOW_S
     controller_period_s: float = 60.0
-    controller_start_s: float = 0.0  # the controller's first decision (then one every period)
     placement: str = "pool"  # or "nodes" (see the module's docstring)
+    controller_start_s: float = 0.0  # the controller's first decision (then one every period)
 
     @property
     def devices(self) -> int:
