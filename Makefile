@@ -8,7 +8,7 @@ CTL := $(VENV)/bin/singularityctl
 SYSTEM_PYTHON ?= /usr/bin/python3
 PYTEST_ARGS ?=
 
-.PHONY: all install devcluster test unit integration demo lint down clean
+.PHONY: all install devcluster test unit integration demo lint down clean kernels
 
 all: install
 
@@ -49,6 +49,15 @@ demo: devcluster
 
 lint: install
 	$(PY) -m ruff check .
+
+# The proxy's reduction kernels as PTX, which the driver loads on a GPU node (no compiler there). nvcc
+# 13 labels its PTX ISA 9.0 (drivers 580 and newer); the kernels use nothing newer than ISA 8.0, so the
+# file says 8.0, which the drivers the checkpoint API needs (570 and newer) load too. The unit tests
+# check that the committed file is what this rule makes of reduce.cu.
+kernels:
+	nvcc -ptx -arch=compute_75 --fmad=false -o proxy/kernels/reduce.ptx.tmp proxy/kernels/reduce.cu
+	sed 's/^\.version 9\.0$$/.version 8.0/' proxy/kernels/reduce.ptx.tmp > proxy/kernels/reduce.ptx
+	rm proxy/kernels/reduce.ptx.tmp
 
 down:
 	-$(CTL) devcluster down

@@ -14,6 +14,10 @@ The node agent drives it through a root-only control socket:
   status {} | stats {}                state of the ranks and the barrier | time spent per operation
   gpu_pairs {rank, pairs}             a restored rank's GPU UUIDs, old -> new (see `swap`)
 
+A GPU's proxy may also give a rank a buffer in the GPU's memory (`gpu`: the hello's answer names the
+GPU, `map_gpu` hands the buffer over), through which the rank's allreduces of CUDA tensors go without
+passing through host memory in the worker.
+
 Ranks that share the device take turns on it where `proxy.time_slicing` says so (see `turns`): a
 rank's first hello waits for its turn, and each operation hands the turn on while it runs. On a GPU
 whose ranks do not fit together, a waiting rank's GPU memory moves to host memory meanwhile (`swap`).
@@ -46,7 +50,7 @@ from singularity_slurm.config import ProxyConfig
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
 
-from . import barrier, collectives, shared, swap
+from . import barrier, collectives, gpu, shared, swap
 from .barrier import Gate, Phase
 from .hal import BackendError, DeviceBackend, Region, backend, dtype_of
 from .mesh import Mesh, MeshError
@@ -95,6 +99,8 @@ class Session:
     process: swap.Process | None = None  # the worker as it connected, where GPU memory may move
     inside: bool = False  # blocked in the proxy for an answer (not computing): its GPU memory may move
     on_device: bool = False  # its GPU memory was checked to be on the GPU since it connected
+    gpu: gpu.DeviceBuffer | None = None  # its buffer in the GPU's memory (proxy.gpu_buffers)
+    stage: Region | None = None  # the proxy's host copy of that buffer, for peers on other GPUs
 
 
 @dataclass
@@ -117,7 +123,8 @@ class Proxy:
     def __init__(self, job_id: int, job_uid: int, proxy_id: str, device: DeviceBackend,
                  rendezvous_factory, *, state_dir: Path, limits: ProxyConfig | None = None,
                  bind_host: str = "0.0.0.0", advertise_host: str = "127.0.0.1",
-                 fault: Callable[[str], None] | None = None, memory: GpuMemory | None = None):
+                 fault: Callable[[str], None] | None = None, memory: GpuMemory | None = None,
+                 cuda: gpu.CudaDevice | None = None):
         self.job_id = job_id
         self.fault = fault or (lambda point: None)  # a test's fault point (singularity_slurm.faults)
         self.job_uid = job_uid
@@ -164,6 +171,7 @@ class Proxy:
         self.peer_regions = shared.PeerRegions()
         # The GPU's memory per rank, moved to host memory while a rank waits (proxy.gpu_swap, `swap`).
         self.memory = memory
+        self.cuda = cuda  # the GPU's buffers shared with ranks and its reductions (`gpu`), where set up
         self.swap_lock = threading.Lock()  # one move at a time, decided on what is known then
         self.footprints: dict[int, int] = {}  # rank -> its GPU bytes, as last measured on the GPU
         self.out: set[int] = set()  # ranks whose GPU memory is in host memory now
@@ -341,6 +349,46 @@ class Proxy:
                              "move less data per collective call")
         return self.device.region(nbytes, shared.region_name(self.job_id))
 
+    def _gpu_uuid(self) -> str | None:
+        """The GPU whose buffers this proxy offers its ranks now, if it does."""
+        return self.cuda.uuid if self.cuda is not None and self._gpu_offered() else None
+
+    def _gpu_offered(self) -> bool:
+        return gpu.offered(self.cuda is not None and self.cuda.failed is None, self.sliced,
+                           self.memory is not None and self.limits.gpu_swap != SwapMode.NEVER)
+
+    def _map_gpu(self, session: Session, message: dict) -> tuple[gpu.DeviceBuffer, int]:
+        """A new GPU buffer for the rank (its old one goes: the worker released it before asking),
+        and a descriptor of it for the worker."""
+        if self.cuda is None or not self._gpu_offered():
+            raise ProxyError("this proxy offers no GPU buffers now: send CUDA tensors through host memory")
+        nbytes = int(message["bytes"])
+        limit = self.limits.max_region_bytes
+        if not 0 <= nbytes <= limit:
+            raise ProxyError(f"a GPU buffer of {nbytes} bytes is not between 0 and the {limit} bytes "
+                             f"the admin allows (proxy.max_region_mib = {self.limits.max_region_mib}): "
+                             "move less data per collective call")
+        self._free_gpu(session)
+        try:
+            session.gpu = self.cuda.alloc(nbytes)
+            return session.gpu, self.cuda.export(session.gpu)
+        except gpu.GpuUnavailable as exc:
+            LOG.warning("job %s proxy %s: no GPU buffer for rank %s: %s", self.job_id, self.id,
+                        session.rank, exc)
+            raise
+
+    def _free_gpu(self, session: Session) -> None:
+        buffer, session.gpu = session.gpu, None
+        if buffer is not None and self.cuda is not None:
+            try:
+                self.cuda.free(buffer)
+            except gpu.GpuUnavailable as exc:
+                LOG.warning("job %s proxy %s: freeing rank %s's GPU buffer: %s", self.job_id, self.id,
+                            session.rank, exc)
+        if session.stage is not None:
+            session.stage.close()
+            session.stage = None
+
     def _serve(self, rank: int, sock: socket.socket) -> None:
         try:
             self._serve_session(rank, sock)
@@ -373,13 +421,20 @@ class Proxy:
                         elif not self.sliced:
                             self._on_device(session)  # restored with its GPU memory out: it comes back
                         wire.send(sock, {"ok": True, "generation": self.generation, "proxy": self.id,
-                                         "turns": self.sliced})
+                                         "turns": self.sliced,
+                                         "gpu": self._gpu_uuid()})
                     elif op == "map":
                         region = self._map(message)
                         old, session.region = session.region, region
                         wire.send(sock, {"ok": True, "bytes": region.size}, [region.fd])
                         if old is not None:
                             old.close()
+                    elif op == "map_gpu":
+                        buffer, fd = self._map_gpu(session, message)
+                        try:
+                            wire.send(sock, {"ok": True, "bytes": buffer.size}, [fd])
+                        finally:
+                            os.close(fd)
                     elif op == "comm":
                         self._register_comm(session, str(message["comm"]), message["ranks"])
                         wire.send(sock, {"ok": True})
@@ -392,7 +447,7 @@ class Proxy:
                             parked = True
                             self._await_release(session)
                             return
-                except (ProxyError, BackendError, KeyError, ValueError, TypeError) as exc:
+                except (ProxyError, BackendError, gpu.GpuUnavailable, KeyError, ValueError, TypeError) as exc:
                     wire.send(sock, {"ok": False, "error": f"{op}: {exc}"})
         except (EOFError, OSError, wire.ProtocolError):
             pass
@@ -400,6 +455,7 @@ class Proxy:
             sock.close()
             if session.region is not None:
                 session.region.close()
+            self._free_gpu(session)
             if session.process is not None:
                 with self.swap_lock:  # a rank parked at a cut comes back; one that left may hold memory on
                     process, session.process, session.inside = session.process, None, False
@@ -687,7 +743,7 @@ class Proxy:
             self._count(op, skew_seconds=time.monotonic() - pending.first_at)
             try:
                 self._collective(group, f"{channel}:{seq}", pending)
-            except (BackendError, ProxyError, ValueError) as exc:
+            except (BackendError, ProxyError, gpu.GpuUnavailable, ValueError) as exc:
                 pending.error = str(exc)
             except MeshError:
                 pending.lost = True
@@ -736,11 +792,21 @@ class Proxy:
                         bytes=count * dtype_of(dtype).itemsize)
             self._deliver(entries, dtype, outputs)
             return
-        inputs = {g: self._region(s).array(dtype, count) for g, (s, _) in entries.items()}
+        on_gpu = {g: s for g, (s, message) in entries.items() if message.get("gpu") is True}
+        if on_gpu and op != "allreduce":
+            raise ProxyError(f"{op} does not take its tensor from a GPU buffer: only allreduce does")
+        if on_gpu and self._reduce_on_gpu(group, entries, dtype, count, str(first["reduce"])):
+            self._count(op, gpu_reduce=1, exchange_seconds=time.monotonic() - started,
+                        bytes=count * dtype_of(dtype).itemsize)
+            return
+        hosts = {g: self._host_region(s, g in on_gpu, count * dtype_of(dtype).itemsize)
+                 for g, (s, _) in entries.items()}
+        inputs = {g: r.array(dtype, count) for g, r in hosts.items()}
+        for g, s in on_gpu.items():  # the device-to-host pipeline: members' buffers into host memory
+            self._gpu().download(self._gpu_buffer(s), inputs[g])
         if op == "allreduce" and self._shares_memory(group):  # in place, straight from each region
             pid = os.getpid()
-            regions = {g: shared.RegionRef(pid, r.fd, r.ino, r.size).record()
-                       for g, r in ((g, self._region(s)) for g, (s, _) in entries.items())}
+            regions = {g: shared.RegionRef(pid, r.fd, r.ino, r.size).record() for g, r in hosts.items()}
             collectives.allreduce_shared(self.mesh, self.device, group, tag, inputs, str(first["reduce"]),
                                          regions, self._attach)
             self._count(op, shared_memory=1)
@@ -769,8 +835,48 @@ class Proxy:
             assert result is not None
             k = count // size
             outputs = {g: result[g * k:(g + 1) * k] for g in entries}
+        for g, s in on_gpu.items():  # and the result back into them
+            self._gpu().upload(inputs[g], self._gpu_buffer(s))
+        if on_gpu:
+            self._count(op, gpu_pipeline=1)
         self._count(op, exchange_seconds=time.monotonic() - started, bytes=inputs[next(iter(inputs))].nbytes)
         self._deliver(entries, dtype, outputs)
+
+    def _reduce_on_gpu(self, group: collectives.Group, entries: dict[int, tuple[Session, dict]], dtype: str,
+                       count: int, op: str) -> bool:
+        """Every member of the communicator is on this GPU with its tensor in its buffer: reduce there,
+        in group-rank order, into the first member's buffer, and copy the result to the others'."""
+        if self.cuda is None or len(group.proxies) != 1:
+            return False
+        if not all(message.get("gpu") is True for _, message in entries.values()):
+            return False
+        buffers = [self._gpu_buffer(entries[g][0]) for g in range(len(group.owners))]
+        self.cuda.reduce(dtype, op, buffers, buffers[0], count)
+        for buffer in buffers[1:]:
+            self.cuda.copy(buffer, buffers[0], count * dtype_of(dtype).itemsize)
+        return True
+
+    def _host_region(self, session: Session, on_gpu: bool, nbytes: int) -> Region:
+        """Where a member's contribution is in host memory: its shared region, or, for one in its GPU
+        buffer, the proxy's own host region for it (peers on this host may attach it)."""
+        if not on_gpu:
+            return self._region(session)
+        if session.stage is None or session.stage.size < nbytes:
+            old, session.stage = session.stage, self.device.region(nbytes, shared.region_name(self.job_id))
+            if old is not None:
+                old.close()
+        return session.stage
+
+    @staticmethod
+    def _gpu_buffer(session: Session) -> gpu.DeviceBuffer:
+        if session.gpu is None:
+            raise ProxyError("no GPU buffer mapped: send map_gpu first")
+        return session.gpu
+
+    def _gpu(self) -> gpu.CudaDevice:
+        if self.cuda is None:
+            raise ProxyError("this proxy has no GPU buffers")
+        return self.cuda
 
     def _alltoall(self, group: collectives.Group, tag: str, entries: dict[int, tuple[Session, dict]],
                   dtype: str) -> dict[int, np.ndarray]:
@@ -1008,6 +1114,7 @@ class Proxy:
             return {"proxy": self.id, "generation": self.generation, "phase": str(self.phase),
                     "ranks": {str(r): str(s) for r, s in self.states.items()}, "ready": self.ready,
                     "gpu_memory_out": sorted(self.out) if self.memory is not None else None,
+                    "gpu_buffers": self.cuda is not None and self._gpu_offered(),
                     "leader": self.leader, "mesh_error": self.mesh_error,
                     "turns": ({"holder": self.turns.holder, "waiting": list(self.turns.waiting),
                                "handovers": self.turns.handovers, "lapses": self.turns.lapses}
@@ -1156,10 +1263,11 @@ def main(argv: list[str] | None = None) -> int:
             return RedisRendezvous(connect(config.redis), args.job_id)
     node = args.id.split("/", 1)[0]
     memory = gpu_memory(args.id, args.backend, config.gpu.lock_timeout_s)
+    cuda = gpu_device(args.id, args.backend, limits, memory)
     proxy = Proxy(args.job_id, args.uid, args.id, backend(args.backend), rendezvous,
                   state_dir=args.state_dir or config.paths.state_dir, limits=limits,
                   advertise_host=advertise, fault=lambda point: faults.point(config, point, node),
-                  memory=memory)
+                  memory=memory, cuda=cuda)
     server = serve_control(proxy, args.socket)
     stop = threading.Event()
 
@@ -1177,8 +1285,29 @@ def main(argv: list[str] | None = None) -> int:
     proxy.close()
     if memory is not None:
         memory.close()
+    if cuda is not None:
+        cuda.close()
     print(f"device proxy {args.id} for job {args.job_id} stopped", flush=True)
     return 0
+
+
+def gpu_device(proxy_id: str, backend_name: str, limits: ProxyConfig,
+               memory: GpuMemory | None) -> gpu.CudaDevice | None:
+    """The GPU's buffers shared with ranks and its reductions, for a GPU's `cuda` proxy where
+    proxy.gpu_buffers allows them; None elsewhere, or where they cannot be set up (CUDA tensors then
+    go through host memory)."""
+    device = proxy_id.split("/", 1)[-1]
+    if backend_name != "cuda" or not limits.gpu_buffers:
+        return None
+    if not device.startswith("gpu") or not device[3:].isdigit():
+        return None
+    try:
+        uuid = memory.uuid if memory is not None else gpu.nvml_uuid(int(device[3:]))
+        return gpu.CudaDevice(uuid)  # set up when a rank first asks for a buffer
+    except gpu.GpuUnavailable as exc:
+        LOG.warning("proxy %s: ranks' CUDA tensors go through host memory (no GPU buffers): %s",
+                    proxy_id, exc)
+        return None
 
 
 def gpu_memory(proxy_id: str, backend_name: str, lock_timeout_s: int) -> GpuMemory | None:

@@ -96,6 +96,7 @@ class ProxyConfig:
     shared_memory: bool = True  # proxies of one host reduce straight from each other's regions
     gpu_swap: str = "auto"  # ranks taking turns on a GPU: waiting ranks' memory to host (auto|always|never)
     gpu_swap_reserve_mib: int = 1024  # GPU memory kept free beyond what the next rank needs (auto)
+    gpu_buffers: bool = True  # ranks' allreduces of CUDA tensors through GPU buffers the proxy shares
 
     @property
     def max_region_bytes(self) -> int:
@@ -262,6 +263,9 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                                     "would not fit (auto), at every turn (always), or never"),
     "proxy.gpu_swap_reserve_mib": (1024, int, "GPU memory (MiB) gpu_swap = auto keeps free beyond what the "
                                               "next rank needs (0..1048576)"),
+    "proxy.gpu_buffers": (True, bool, "a GPU's proxy gives each rank a buffer in the GPU's memory, through "
+                                      "which its allreduces of CUDA tensors go (reduced on the GPU where the "
+                                      "communicator is on one GPU); false: through host memory"),
     "local_files.max_files": (LocalFilesConfig.max_files, int,
                               "node-local files (from the job's file-log) a checkpoint carries at most"),
     "local_files.max_bytes": (LocalFilesConfig.max_bytes, int,
@@ -409,7 +413,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     proxy_raw = data.get("proxy", {})
     _check_keys(proxy_raw, {"backend", "cpu_slots", "cut_timeout", "max_region_mib", "max_rank_connections",
                             "time_slicing", "turn_lapse_s", "shared_memory", "gpu_swap",
-                            "gpu_swap_reserve_mib"}, "proxy")
+                            "gpu_swap_reserve_mib", "gpu_buffers"}, "proxy")
     proxy = ProxyConfig(backend=_take(proxy_raw, "backend", "proxy", str, "auto"),
                         cpu_slots=_take(proxy_raw, "cpu_slots", "proxy", int, 1),
                         cut_timeout=_take(proxy_raw, "cut_timeout", "proxy", int, 60),
@@ -421,7 +425,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                         turn_lapse_s=_take(proxy_raw, "turn_lapse_s", "proxy", int, 10),
                         shared_memory=_take(proxy_raw, "shared_memory", "proxy", bool, True),
                         gpu_swap=_take(proxy_raw, "gpu_swap", "proxy", str, "auto"),
-                        gpu_swap_reserve_mib=_take(proxy_raw, "gpu_swap_reserve_mib", "proxy", int, 1024))
+                        gpu_swap_reserve_mib=_take(proxy_raw, "gpu_swap_reserve_mib", "proxy", int, 1024),
+                        gpu_buffers=_take(proxy_raw, "gpu_buffers", "proxy", bool, True))
     if proxy.backend not in PROXY_BACKENDS:
         raise ConfigError(f"proxy.backend = {proxy.backend!r} is not available; valid backends: "
                           f"{', '.join(PROXY_BACKENDS)}")

@@ -20,8 +20,8 @@ def job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
     def make(placement: dict[int, str], uid: int | None = None, limits: ProxyConfig | None = None,
-             memory: dict[str, object] | None = None) -> Job:
-        jobs.append(Job(tmp_path, placement, uid, limits=limits, memory=memory))
+             memory: dict[str, object] | None = None, cuda: dict[str, object] | None = None) -> Job:
+        jobs.append(Job(tmp_path, placement, uid, limits=limits, memory=memory, cuda=cuda))
         return jobs[-1]
 
     yield make

@@ -51,8 +51,9 @@ class Job:
 
     def __init__(self, folder: Path, placement: dict[int, str], uid: int | None = None,
                  state_dir: Path | None = None, limits: ProxyConfig | None = None,
-                 memory: dict[str, object] | None = None):
-        """`memory`: a stand-in for a proxy's GPU memory (proxy.swap.GpuMemory), by proxy id."""
+                 memory: dict[str, object] | None = None, cuda: dict[str, object] | None = None):
+        """`memory`: a stand-in for a proxy's GPU memory (proxy.swap.GpuMemory), by proxy id; `cuda`:
+        one for its GPU buffers and reductions (proxy.gpu.CudaDevice)."""
         self.folder = folder
         self.id = int.from_bytes(os.urandom(4), "big") + 10**10
         self.placement = placement
@@ -62,7 +63,8 @@ class Job:
         rendezvous = MemoryRendezvous()
         uid = os.getuid() if uid is None else uid
         self.proxies = {p: Proxy(self.id, uid, p, HostBackend(), lambda: rendezvous, state_dir=self.state_dir,
-                                 bind_host="127.0.0.1", limits=limits, memory=(memory or {}).get(p))
+                                 bind_host="127.0.0.1", limits=limits, memory=(memory or {}).get(p),
+                                 cuda=(cuda or {}).get(p))
                         for p in sorted(set(placement.values()))}
         for proxy in self.proxies.values():
             proxy.configure("1", placement)

@@ -464,6 +464,7 @@ def test_proxy_defaults_match_the_documented_keys() -> None:
         "proxy.max_rank_connections": proxy.max_rank_connections, "proxy.time_slicing": proxy.time_slicing,
         "proxy.turn_lapse_s": proxy.turn_lapse_s, "proxy.shared_memory": proxy.shared_memory,
         "proxy.gpu_swap": proxy.gpu_swap, "proxy.gpu_swap_reserve_mib": proxy.gpu_swap_reserve_mib,
+        "proxy.gpu_buffers": proxy.gpu_buffers,
     }
 
 
@@ -482,8 +483,8 @@ def test_the_documented_example_configures_the_proxies() -> None:
 
 def test_unknown_proxy_key_lists_valid_keys() -> None:
     assert config_error({"proxy": {"slots": 2}}) == (
-        "unknown key(s) in [proxy]: slots; valid keys: backend, cpu_slots, cut_timeout, gpu_swap, "
-        "gpu_swap_reserve_mib, max_rank_connections, max_region_mib, shared_memory, time_slicing, "
+        "unknown key(s) in [proxy]: slots; valid keys: backend, cpu_slots, cut_timeout, gpu_buffers, "
+        "gpu_swap, gpu_swap_reserve_mib, max_rank_connections, max_region_mib, shared_memory, time_slicing, "
         "turn_lapse_s"
     )
 

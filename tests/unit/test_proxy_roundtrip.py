@@ -500,7 +500,7 @@ def test_the_proxy_is_served_by_root(solo: Job) -> None:
     try:
         assert wire.peer_uid(rank.sock) == 0 or os.getuid() != 0
         assert rank.ask({"op": "hello", "rank": 0, "world_size": 2}) == {
-            "ok": True, "generation": "1", "proxy": "p0", "turns": False}
+            "ok": True, "generation": "1", "proxy": "p0", "turns": False, "gpu": None}
     finally:
         rank.close()
 

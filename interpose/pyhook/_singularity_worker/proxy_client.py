@@ -1,10 +1,12 @@
 """The worker's side of the device proxy: one connection per rank, re-established after a checkpoint.
 
-A worker holds exactly two things that belong to the proxy: a unix socket and a shared-memory
-mapping. When the proxy answers a request with `park` (a distributed checkpoint reached its cut), the
-worker drops both, waits until its rank's socket path is served again (by the same proxy after a checkpoint
-that leaves the job running, or by a fresh proxy on whatever node the job was restored on) and sends
-the request again. So a checkpoint image of a worker never refers to a proxy or a peer.
+A worker holds at most three things that belong to the proxy: a unix socket, a shared-memory
+mapping, and, where its GPU's proxy offers one, a buffer in the GPU's memory (`gpu_buffer`). When
+the proxy answers a request with `park` (a distributed checkpoint reached its cut), the worker drops
+them (the GPU buffer first, then the mapping, then the socket), waits until its rank's socket path
+is served again (by the same proxy after a checkpoint that leaves the job running, or by a fresh
+proxy on whatever node the job was restored on) and sends the request again. So a checkpoint image
+of a worker never refers to a proxy or a peer.
 
 Where ranks share a device and take turns on it (the proxy says so in its answer to hello), the
 first hello of the process waits for the rank's first turn, and every operation's answer for its next
@@ -13,6 +15,7 @@ that the rank computes only while it holds the turn.
 
 Standard library and ctypes only (it runs in the job's own Python): tensors are copied by address,
 so nothing here depends on torch, and no Python buffer export pins the mapping when it has to go.
+`gpu_buffer` loads libcuda.so.1 only when a proxy offers a GPU buffer and a CUDA tensor comes.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ class ProxyClient:
         self.parks = 0
         self.started = False  # the first hello (which waits for the rank's first turn) was answered
         self.turns = False  # the ranks of this rank's device take turns (the latest hello's answer)
+        self.gpu_uuid: str | None = None  # the GPU whose buffer the proxy offers (the latest hello's answer)
+        self.gpu_buffer = None  # gpu_buffer.GpuBuffer, mapped while connected
+        self.gpu_uuids: dict[int, str | None] = {}  # CUDA ordinal -> its GPU's UUID (None: unreadable)
+        self.gpu_refused: str | None = None  # why this process stopped using GPU buffers
         os.register_at_fork(after_in_child=self._forget_in_child)
 
     @property
@@ -101,13 +108,17 @@ class ProxyClient:
                                 "pid": os.getpid(), "comms": self.comms, "turn": not self.started})
         self.generation = reply.get("generation")
         self.started, self.turns = True, reply.get("turns") is True
+        self.gpu_uuid = reply.get("gpu") if isinstance(reply.get("gpu"), str) else None
 
     def _drop(self) -> None:
         """Let go of everything the proxy handed out: the mapping, then the socket.
 
-        The proxy counts a parked rank as at rest only once its connection closes, so the mapping
-        must be gone first.
+        The proxy counts a parked rank as at rest only once its connection closes, so the GPU buffer
+        and the mapping must be gone first.
         """
+        if self.gpu_buffer is not None:
+            self.gpu_buffer.release()
+        self.gpu_buffer, self.gpu_uuid = None, None
         if self.shm_addr:
             _libc.munmap(self.shm_addr, self.shm_size)
         self.shm_addr = self.shm_size = 0
@@ -125,6 +136,7 @@ class ProxyClient:
                 pass
         self.sock = self.reader = None
         self.shm_addr = self.shm_size = 0
+        self.gpu_buffer, self.gpu_uuid = None, None  # the child has no CUDA context of the parent's
         self.lock = threading.RLock()
 
     def _map(self, nbytes: int) -> None:
@@ -203,6 +215,80 @@ class ProxyClient:
                     ctypes.memmove(addr, self.shm_addr + offset, length)
                     offset += length
                 return reply
+
+    def call_gpu(self, message: dict, ptr: int, nbytes: int, ordinal: int) -> bool:
+        """Run an allreduce of `nbytes` at device address `ptr` (CUDA device `ordinal`) through the
+        proxy's GPU buffer: copy in, send `message`, copy the result back, all on the GPU. Returns
+        False, having sent nothing, where the proxy offers no buffer on that GPU now (the caller then
+        goes through host memory). A `park` answer drops the connection and the buffer, and retries.
+        """
+        with self.lock:
+            while True:
+                if self.sock is None:
+                    self._guarded(self._connect)
+                    continue
+                if not self._gpu_usable(ordinal):
+                    return False
+                if self.gpu_buffer is None or nbytes > self.gpu_buffer.size:
+                    if not self._map_gpu(nbytes, ordinal):
+                        return False
+                    continue
+                self.gpu_buffer.copy_in(ptr, nbytes)
+                reply = self._guarded(lambda: self._exchange({**message, "gpu": True}))
+                if reply is None:
+                    continue
+                if reply.get("park"):
+                    self.parks += 1
+                    self._drop()
+                    continue
+                self.gpu_buffer.copy_out(ptr, nbytes)
+                return True
+
+    def _gpu_usable(self, ordinal: int) -> bool:
+        if self.gpu_uuid is None or self.gpu_refused is not None:
+            return False
+        if ordinal not in self.gpu_uuids:
+            try:
+                from .gpu_buffer import device_uuid
+
+                self.gpu_uuids[ordinal] = device_uuid(ordinal)
+            except (OSError, RuntimeError) as exc:
+                self.gpu_uuids[ordinal] = None
+                self._refuse_gpu(f"cannot tell which GPU CUDA device {ordinal} is ({exc})")
+        return self.gpu_uuids[ordinal] == self.gpu_uuid
+
+    def _map_gpu(self, nbytes: int, ordinal: int) -> bool:
+        """A buffer of at least nbytes from the proxy, the old one released first."""
+        from .gpu_buffer import GpuBuffer
+
+        if self.gpu_buffer is not None:
+            self.gpu_buffer.release()
+            self.gpu_buffer = None
+        try:
+            result = self._guarded(lambda: self._exchange_fds({"op": "map_gpu", "bytes": nbytes}))
+        except ProxyError as exc:
+            self._refuse_gpu(str(exc))
+            return False
+        if result is None:  # the proxy went away
+            return False
+        reply, fds = result
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self._refuse_gpu(f"the proxy answered map_gpu without a buffer: {reply}")
+            return False
+        try:
+            self.gpu_buffer = GpuBuffer(fds[0], int(reply["bytes"]), ordinal)
+        except (OSError, RuntimeError) as exc:
+            self._refuse_gpu(str(exc))
+            return False
+        return True
+
+    def _refuse_gpu(self, why: str) -> None:
+        """Stop using GPU buffers in this process (tensors go through host memory), and say why once."""
+        self.gpu_refused = why
+        sys.stderr.write(f"[singularity] rank {self.rank}: CUDA tensors go through host memory: {why}\n")
+        sys.stderr.flush()
 
     def close(self) -> None:
         with self.lock:

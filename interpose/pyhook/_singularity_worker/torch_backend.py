@@ -15,11 +15,12 @@ device. Arguments are checked when the script calls, so a call the proxy cannot 
 there with the reason, on every rank alike. At a checkpoint a rank is computing, or parked in a
 request, never holding a half-done collective.
 
-CUDA tensors are staged through host memory: where the script calls, the end of the work its stream
-has queued is recorded; the queue's thread waits for that point, copies the tensor to the host (into
-the region shared with the proxy) and copies the result back before the operation completes (copies
-from pageable host memory return once done). No CUDA memory is shared with the proxy, so a rank
-parked at a cut holds nothing of the proxy's on its GPU when its CUDA state is checkpointed.
+CUDA tensors: where the script calls, the end of the work its stream has queued is recorded, and the
+queue's thread waits for that point. An allreduce then copies the tensor into the GPU buffer its proxy
+gives it (where the proxy offers one on the tensor's GPU: `proxy_client.call_gpu`) and the result
+back, on the GPU; every other case is staged through host memory (copied into the region shared with
+the proxy, and the result back, before the operation completes). A rank parked at a cut has released
+the GPU buffer, so it holds nothing of the proxy's on its GPU when its CUDA state is checkpointed.
 
 Runs in the job's own Python (3.9 or newer) with the job's torch: standard library and torch only.
 """
@@ -242,6 +243,12 @@ def _nothing() -> None:
     return None
 
 
+def _on_gpu(tensor: torch.Tensor) -> bool:
+    """A tensor whose bytes can go through a GPU buffer as they are: on a CUDA device, contiguous,
+    not empty."""
+    return tensor.device.type == "cuda" and tensor.is_contiguous() and tensor.numel() > 0
+
+
 def _host(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`'s values in contiguous host memory (the tensor itself where it already is)."""
     if tensor.device.type == "cpu":
@@ -358,6 +365,10 @@ class SingularityProcessGroup(dist.ProcessGroup):
             for tensor in tensors:
                 message = {"op": "allreduce", "comm": self.comm, "dtype": _dtype(tensor),
                            "count": tensor.numel(), "reduce": reduce}
+                if _on_gpu(tensor) and self.client.call_gpu(message, tensor.data_ptr(),
+                                                             tensor.numel() * tensor.element_size(),
+                                                             tensor.device.index):
+                    continue
                 with _Staged(tensor) as work:
                     self._call(message, [work], [work])
             return tensors
