@@ -93,6 +93,7 @@ class Settings:
     gpu_swap: str | None = None  # the proxies' proxy.gpu_swap (None: the configuration's)
     device_mb: int = 0  # GPU memory each rank holds besides its model (--device cuda)
     gpu_swap_reserve_mib: int | None = None  # the proxies' proxy.gpu_swap_reserve_mib
+    gpu_buffers: bool = True  # the proxies' proxy.gpu_buffers
 
     @property
     def baseline(self) -> str:
@@ -288,7 +289,8 @@ class Runner:
             env = dict(os.environ)
             settings = ([] if self.s.shared_memory else ["shared_memory = false"]) + (
                 [] if self.s.gpu_swap_reserve_mib is None else
-                [f"gpu_swap_reserve_mib = {self.s.gpu_swap_reserve_mib}"])
+                [f"gpu_swap_reserve_mib = {self.s.gpu_swap_reserve_mib}"]) + (
+                [] if self.s.gpu_buffers else ["gpu_buffers = false"])
             if settings:  # the proxies read the configuration this names
                 config = folder / "proxy-config.toml"
                 config.write_text("[proxy]\n" + "".join(f"{line}\n" for line in settings))
@@ -660,6 +662,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the proxies' proxy.gpu_swap_reserve_mib: GPU memory auto keeps free beyond "
                              "what the next rank needs (set it near the GPU's size to have auto move memory "
                              "where ranks would fit)")
+    parser.add_argument("--gpu-buffers", choices=("on", "off"), default=_env("gpu_buffers", "on"),
+                        help="the proxies' proxy.gpu_buffers (--device cuda): on, a rank's allreduce goes "
+                             "through a GPU buffer its proxy shares with it (offered where its memory never "
+                             "moves: a GPU of its own, or --gpu-swap never); off, through host memory")
     parser.add_argument("--device-mb", type=int, default=int(_env("device_mb", 0)),
                         help="MiB of GPU memory each rank holds besides its model (--device cuda), so that "
                              "ranks sharing a GPU do not fit on it together")
@@ -708,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
                             args.steps, args.warmup, args.compute_steps, args.rounds, args.bucket_mb,
                             args.run_timeout, sys.executable, proxy_cmd, args.device, modes,
                             _gpus() if args.device == "cuda" else 0, args.shared_memory == "on",
-                            args.gpu_swap, args.device_mb, args.gpu_swap_reserve_mib)
+                            args.gpu_swap, args.device_mb, args.gpu_swap_reserve_mib,
+                            args.gpu_buffers == "on")
         if problems := settings_problems(settings):
             raise BenchmarkError("; ".join(problems))
         if os.geteuid() != 0:
@@ -734,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "torch": torch.__version__,
             "device": settings.device, "world size": settings.world_size, "proxies": settings.proxies,
             "proxies share memory": args.shared_memory, "gpu swap": args.gpu_swap or "configured",
+            "gpu buffers": args.gpu_buffers,
             "device MiB per rank": args.device_mb,
             "placement": " ".join(f"{r}:{p}" for r, p in
                                   placement(settings.world_size, settings.proxies).items()),

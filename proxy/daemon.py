@@ -781,6 +781,8 @@ class Proxy:
             self._deliver(entries, dtype, outputs)
             return
         count = int(first["count"])
+        if count < 0:
+            raise ProxyError(f"{op}: a count of {count} elements")
         root = int(first.get("root", 0))
         if not 0 <= root < size:
             raise ProxyError(f"{op}: root {root} is not a rank of communicator {group.name} of {size}")
@@ -904,6 +906,8 @@ class Proxy:
         assert self.mesh is not None
         group = self.group(str(message["comm"]))
         dtype, count, peer = str(message["dtype"]), int(message["count"]), int(message["peer"])
+        if count < 0:
+            raise ProxyError(f"{message['op']}: a count of {count} elements")
         if not 0 <= peer < len(group.owners):
             raise ProxyError(f"peer {peer} is not in communicator {group.name}")
         tag = f"{channel}:{seq}"

@@ -300,6 +300,8 @@ class CudaDevice:
 
     @staticmethod
     def _fits(buffer: DeviceBuffer, nbytes: int) -> None:
+        if nbytes < 0:
+            raise BackendError(f"a negative size ({nbytes} bytes)")
         if nbytes > buffer.size:
             raise BackendError(f"{nbytes} bytes do not fit the rank's GPU buffer of {buffer.size}")
 

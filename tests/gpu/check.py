@@ -22,6 +22,9 @@ Items:
   rank's memory to host memory as where they would not fit together (proxy.gpu_swap = auto with a
   reserve the size of the GPU): step time against the time-slicing run's, moves per step and their
   time, every rank's memory intact
+- gpu-buffers: two ranks time-sliced on one GPU with proxy.gpu_swap = never, so that their proxy gives
+  them GPU buffers and reduces on the GPU, against the same with proxy.gpu_buffers = false (staged
+  through host memory): the step time ratio, and the same losses both ways
 - ddp-2rank: examples/train_ddp.py --device cuda (`init_process_group("nccl")`, unmodified), two
   ranks time-sliced on one GPU through one proxy, preempted at step 20 and restored the node agent's
   way (tests/gpu/ddp.py: the proxy's cut, the driver's checkpoint, criu per rank tree, a new proxy
@@ -29,6 +32,10 @@ Items:
 - ddp-2rank-swapped: the same with proxy.gpu_swap = always and 256 MiB per rank besides the model: at
   the cut a rank's memory is out already (recorded, left so); after the restore its proxy brings it
   in through the restore's GPU UUID pairs
+- ddp-2rank-gpu-buffers: ddp-2rank with proxy.gpu_swap = never: the ranks' allreduces go through GPU
+  buffers, reduced on the GPU, before the cut and after the restore (the ranks released their buffers
+  at the cut); logs byte-identical to its undisturbed run's, which are ddp-2rank's (the GPU reduces
+  to the host's bits)
 
 criu runs as its command line here (the node agent drives it through pycriu, which such a machine
 may not have); the options are the agent's.
@@ -169,7 +176,29 @@ def gpu_benchmarks(out: Path, gpus: int) -> None:
     except Exception as exc:
         verdict("time-slicing", "FAIL", str(exc))
         return
+    gpu_buffers(out, sizes)
     gpu_swap(out, {row["hidden"]: row["two_ranks_one_gpu_ms"] for row in rows})
+
+
+def gpu_buffers(out: Path, sizes: list[str]) -> None:
+    """Two ranks time-sliced on one GPU (gpu_swap never), their allreduces through GPU buffers reduced
+    on the GPU against the same staged through host memory: step time ratio, and the same losses."""
+    try:
+        runs = {}
+        for setting in ("on", "off"):
+            report = proxy_bench(out, f"gpu-buffers-{setting}", "--world-size", "2", "--proxies", "1",
+                                 "--modes", "proxy", "--rounds", "2", "--gpu-swap", "never",
+                                 "--gpu-buffers", setting, *sizes)
+            runs[setting] = {row["hidden"]: row for row in report["summary"]}
+        rows = []
+        for hidden, row in runs["on"].items():
+            staged = runs["off"][hidden]
+            rows.append({"hidden": hidden, "gpu_buffers_ms": row["proxy_ms"], "staged_ms": staged["proxy_ms"],
+                         "ratio": round(row["proxy_ms"] / staged["proxy_ms"], 3),
+                         "same_losses": row["proxy_losses"] == staged["proxy_losses"]})
+        verdict("gpu-buffers", "PASS" if rows and all(r["same_losses"] for r in rows) else "FAIL", rows)
+    except Exception as exc:
+        verdict("gpu-buffers", "FAIL", str(exc))
 
 
 def gpu_swap(out: Path, sliced_ms: dict[int, float]) -> None:
@@ -199,11 +228,23 @@ def gpu_swap(out: Path, sliced_ms: dict[int, float]) -> None:
 
 
 def ddp_checks(work: Path, criu: str) -> None:
+    """The 2-rank DDP job preempted and restored: staged through host memory (gpu_swap auto: the
+    proxy may move memory, so it offers no GPU buffers), with a rank's memory out at the cut, and
+    through GPU buffers reduced on the GPU (gpu_swap never), whose numbers must be the staged run's."""
     swapped = {"gpu_swap": "always", "device_mb": 256, "steps": 8, "cut_step": 4}  # moves take seconds
-    for item, options in (("ddp-2rank", {}), ("ddp-2rank-swapped", swapped)):
+    references: dict[str, object] = {}
+    for item, options in (("ddp-2rank", {}), ("ddp-2rank-swapped", swapped),
+                          ("ddp-2rank-gpu-buffers", {"gpu_swap": "never"})):
         try:
             result = ddp.check(work / item, criu, "cuda", **options)
-            ok = result["ok"] and (item == "ddp-2rank" or any(result["swapped_at_cut"].values()))
+            references[item] = result["reference_sha256"]
+            ok = result["ok"]
+            if item == "ddp-2rank-swapped":
+                ok = ok and any(result["swapped_at_cut"].values())
+            if item == "ddp-2rank-gpu-buffers":  # on the GPU before the cut and after the restore
+                staged = references.get("ddp-2rank")
+                result["same_numbers_as_staged"] = staged == result["reference_sha256"]
+                ok = ok and all(result["gpu_reduce"].values()) and result["same_numbers_as_staged"]
             verdict(item, "PASS" if ok else "FAIL", {k: v for k, v in result.items()
                                                      if k not in ("first_proxy", "second_proxy")})
         except Exception as exc:

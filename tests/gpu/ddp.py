@@ -22,6 +22,7 @@ both ranks' logs are byte-identical to the undisturbed run's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -234,6 +235,10 @@ def check(work: Path, criu: str, device: str, gpu_swap: str | None = None, devic
         subprocess.run(["rm", "-rf", str(setup.state)], check=False)
     logs = result.pop("logs")
     result["identical"] = {rank: logs[rank] == reference[rank] for rank in RANKS}
+    result["reference_sha256"] = {rank: hashlib.sha256(reference[rank].encode()).hexdigest()
+                                  for rank in RANKS}
+    result["gpu_reduce"] = {tag: int(result[tag].get("allreduce", {}).get("gpu_reduce", 0))
+                            for tag in ("first_proxy", "second_proxy")}
     result["steps"] = {rank: len(reference[rank].splitlines()) for rank in RANKS}
     result["swapped_at_cut"] = {rank: bool(r["swapped"]) for rank, r in result["dumps"].items()}
     result["ok"] = (all(result["identical"].values()) and all(result["steps"][r] == steps for r in RANKS)

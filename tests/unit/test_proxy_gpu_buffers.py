@@ -9,9 +9,12 @@ host backend's bits is test_proxy_gpu_kernels's; tests/gpu/check.py runs the rea
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -401,3 +404,76 @@ def test_a_proxy_without_a_driver_fails_to_set_up_once_and_remembers_why() -> No
     with pytest.raises(gpu.GpuUnavailable, match="driver"):
         device.export(gpu.DeviceBuffer(0, 1 << 20, None))
     device.close()  # nothing was set up: nothing to release
+
+
+HOSTILE_RANKS = r"""
+import array, json, mmap, os, socket, struct, sys, threading
+
+def connect(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(path)
+    return s
+
+def ask(s, message):
+    body = json.dumps(message).encode()
+    s.sendall(struct.pack("!I", len(body)) + body)
+    fds = array.array("i")
+    head, anc, _, _ = s.recvmsg(4, socket.CMSG_LEN(4 * fds.itemsize))
+    for level, kind, data in anc:
+        fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    size = struct.unpack("!I", head)[0]
+    body = b""
+    while len(body) < size:
+        body += s.recv(size - len(body))
+    return json.loads(body), list(fds)
+
+ranks = [connect(p) for p in sys.argv[1:3]]
+out = {"hello": [ask(s, {"op": "hello", "rank": r, "world_size": 2, "comms": {"pair": [0, 1]}})[0]
+                 for r, s in enumerate(ranks)]}
+out["huge"] = ask(ranks[0], {"op": "map_gpu", "bytes": 1 << 40})[0]
+out["negative"] = ask(ranks[0], {"op": "map_gpu", "bytes": -1})[0]
+sizes = []
+for s in ranks:
+    reply, fds = ask(s, {"op": "map_gpu", "bytes": 1 << 20})
+    memory = mmap.mmap(fds[0], reply["bytes"])  # the buffer's memory: the job's own
+    memory[:4] = b"\xff\xff\xff\xff"
+    sizes.append(reply["bytes"])
+out["sizes"] = sizes
+def together(message):
+    replies = [None, None]
+    def run(i):
+        replies[i] = ask(ranks[i], message)[0]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return replies
+base = {"op": "allreduce", "comm": "pair", "dtype": "float64", "reduce": "sum", "gpu": True}
+out["past_the_end"] = together({**base, "count": sizes[0] // 8 + 1})
+out["negative_count"] = together({**base, "count": -5})
+out["gather"] = together({"op": "gather", "comm": "pair", "dtype": "uint8", "count": 4, "root": 0,
+                          "gpu": True})
+print(json.dumps(out))
+"""
+
+
+def test_a_hostile_job_user_gets_no_more_than_its_own_bounded_buffers(job) -> None:
+    """The job's user, unprivileged, speaks the protocol itself: it asks for buffers beyond the admin's
+    bound, names counts past its buffer's end or negative, and asks for GPU buffers on an operation that
+    takes none. The proxy refuses each with the reason, holds no more than one buffer per rank, and
+    never reads or writes past a buffer."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run the ranks as another user")
+    stand_in = StandInGpu()
+    run = job({0: "p0", 1: "p0"}, uid=4242, cuda={"p0": stand_in}, limits=ProxyConfig(max_region_mib=16))
+    done = subprocess.run([sys.executable, "-c", HOSTILE_RANKS, run.address(0), run.address(1)], user=4242,
+                          cwd="/", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert [h["gpu"] for h in out["hello"]] == [UUID, UUID]
+    assert "not between 0 and the 16777216 bytes" in out["huge"]["error"]
+    assert "not between 0 and the 16777216 bytes" in out["negative"]["error"]
+    assert all("do not fit the rank's GPU buffer" in r["error"] for r in out["past_the_end"]), out
+    assert all("a count of -5 elements" in r["error"] for r in out["negative_count"]), out
+    assert all("does not take its tensor from a GPU buffer" in r["error"] for r in out["gather"]), out
+    assert len(stand_in.live) <= 2 and not stand_in.reductions
