@@ -61,6 +61,7 @@ from .turns import Slicing, Turns, takes_turns
 
 LOG = logging.getLogger("singularity.proxy")
 MAX_DEPARTED = 64  # ranks' processes that left but still run, watched for the GPU memory they hold
+MAX_GPU_MAPS = 32  # GPU buffers one rank may ask for per generation (a worker asks for doubling sizes)
 
 # The collectives, each with what every member must say alike about it (alltoall's counts differ by
 # rank, and its exchange checks each piece). Each is one operation on its communicator's channel, so
@@ -172,6 +173,7 @@ class Proxy:
         # The GPU's memory per rank, moved to host memory while a rank waits (proxy.gpu_swap, `swap`).
         self.memory = memory
         self.cuda = cuda  # the GPU's buffers shared with ranks and its reductions (`gpu`), where set up
+        self.gpu_maps: dict[int, int] = defaultdict(int)  # rank -> GPU buffers handed out this generation
         self.swap_lock = threading.Lock()  # one move at a time, decided on what is known then
         self.footprints: dict[int, int] = {}  # rank -> its GPU bytes, as last measured on the GPU
         self.out: set[int] = set()  # ranks whose GPU memory is in host memory now
@@ -203,6 +205,7 @@ class Proxy:
             self.phase, self.targets, self.ready, self.mesh_error = Phase.RUNNING, {}, False, None
             self.turns = Turns()
             self.footprints, self.out, self.restored_out, self.gpu_pairs = {}, set(), set(), {}
+            self.gpu_maps = defaultdict(int)
             exclusive = bool(getattr(self.device, "exclusive", False))
             self.sliced = takes_turns(Slicing(self.limits.time_slicing), exclusive, len(self.local_ranks))
         if not self.local_ranks:
@@ -362,6 +365,13 @@ class Proxy:
         and a descriptor of it for the worker."""
         if self.cuda is None or not self._gpu_offered():
             raise ProxyError("this proxy offers no GPU buffers now: send CUDA tensors through host memory")
+        with self.cond:
+            if self.sessions.get(session.rank) is not session:
+                raise ProxyError("say hello first")
+            if self.gpu_maps[session.rank] >= MAX_GPU_MAPS:
+                raise ProxyError(f"rank {session.rank} had {MAX_GPU_MAPS} GPU buffers in this generation: "
+                                 "no more (ask for the largest size needed)")
+            self.gpu_maps[session.rank] += 1
         nbytes = int(message["bytes"])
         limit = self.limits.max_region_bytes
         if not 0 <= nbytes <= limit:
@@ -801,8 +811,10 @@ class Proxy:
             self._count(op, gpu_reduce=1, exchange_seconds=time.monotonic() - started,
                         bytes=count * dtype_of(dtype).itemsize)
             return
-        hosts = {g: self._host_region(s, g in on_gpu, count * dtype_of(dtype).itemsize)
-                 for g, (s, _) in entries.items()}
+        nbytes = count * dtype_of(dtype).itemsize
+        for s in on_gpu.values():  # before the proxy makes a host copy of that size
+            gpu.fits(self._gpu_buffer(s), nbytes)
+        hosts = {g: self._host_region(s, g in on_gpu, nbytes) for g, (s, _) in entries.items()}
         inputs = {g: r.array(dtype, count) for g, r in hosts.items()}
         for g, s in on_gpu.items():  # the device-to-host pipeline: members' buffers into host memory
             self._gpu().download(self._gpu_buffer(s), inputs[g])

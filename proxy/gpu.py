@@ -37,6 +37,7 @@ import numpy as np
 from .hal import REDUCTIONS, BackendError, dtype_of
 
 PTX = Path(__file__).with_name("kernels") / "reduce.ptx"
+CUDA_ERROR_OUT_OF_MEMORY = 2
 THREADS = 256
 MAX_BLOCKS = 4096
 _NAMES = {"float32": "float32", "float64": "float64", "float16": "float16", "bfloat16": "bfloat16",
@@ -111,6 +112,14 @@ def grid(count: int) -> int:
     return max(1, min(MAX_BLOCKS, -(-count // THREADS)))
 
 
+def fits(buffer: DeviceBuffer, nbytes: int) -> None:
+    """Refuse a size the buffer does not hold, before anything touches it."""
+    if nbytes < 0:
+        raise BackendError(f"a negative size ({nbytes} bytes)")
+    if nbytes > buffer.size:
+        raise BackendError(f"{nbytes} bytes do not fit the rank's GPU buffer of {buffer.size}")
+
+
 def allocation_size(nbytes: int, granularity: int) -> int:
     """A buffer's size: whole multiples of the driver's granularity, at least one, at least 1 MiB."""
     unit = max(granularity, 1)
@@ -143,20 +152,24 @@ class CudaDevice:
         self._d = None
         self.functions: dict[str, object] = {}
         self.scratch: DeviceBuffer | None = None  # bfloat16's float32 accumulator
+        self.context = None
 
     def _open(self) -> None:
-        """(With the lock.) Set up on first use, or raise why that failed."""
+        """(With the lock.) Set up on first use, or raise why that failed (or why the device failed
+        since: an error of the driver's leaves the context unusable, so none is retried)."""
+        if self.failed is not None:
+            raise GpuUnavailable(self.failed)
         if self._d is not None:
             self._current()
             return
-        if self.failed is not None:
-            raise GpuUnavailable(self.failed)
         try:
             self._setup()
-        except GpuUnavailable as exc:
-            self.failed = str(exc)
-            self._d = None
-            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it was, this GPU serves no buffers
+            self.failed = str(exc) if isinstance(exc, GpuUnavailable) else f"{type(exc).__name__}: {exc}"
+            if self._d is not None and getattr(self, "context", None) is not None:
+                self._d.cuDevicePrimaryCtxRelease(self.device)
+            self._d, self.context = None, None
+            raise GpuUnavailable(self.failed) from exc
 
     def _setup(self) -> None:
         try:
@@ -177,8 +190,9 @@ class CudaDevice:
         if int(mode) != int(driver.CUcomputemode.CU_COMPUTEMODE_DEFAULT):
             raise GpuUnavailable(f"GPU {self.uuid} is not in the default compute mode (mode {int(mode)}): a "
                                  "context of the proxy's would keep the ranks off it")
-        err, self.context = driver.cuDevicePrimaryCtxRetain(self.device)
+        err, context = driver.cuDevicePrimaryCtxRetain(self.device)
         self._check(err, "cuDevicePrimaryCtxRetain")
+        self.context = context
         self._current()
         self.prop = driver.CUmemAllocationProp()
         self.prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -198,8 +212,12 @@ class CudaDevice:
         self._check(err, f"cuModuleLoadData({self.ptx.name})")
 
     def _check(self, err, what: str) -> None:
+        """Raise for a driver error; any but out-of-memory leaves the device failed for good."""
         if int(err) != 0:
-            raise GpuUnavailable(f"{what} failed: {getattr(err, 'name', int(err))}")
+            problem = f"{what} failed: {getattr(err, 'name', int(err))}"
+            if int(err) != CUDA_ERROR_OUT_OF_MEMORY:
+                self.failed = problem
+            raise GpuUnavailable(problem)
 
     def _find(self, uuid: str) -> tuple[int, object]:
         d = self._d
@@ -272,38 +290,33 @@ class CudaDevice:
 
     def download(self, buffer: DeviceBuffer, into: np.ndarray) -> None:
         """The first into.nbytes bytes of the buffer into a contiguous host array."""
-        self._fits(buffer, into.nbytes)
+        fits(buffer, into.nbytes)
         with self.lock:
             self._open()
             (err,) = self._d.cuMemcpyDtoH(into.ctypes.data, buffer.ptr, into.nbytes)
             self._check(err, "cuMemcpyDtoH")
 
     def upload(self, data: np.ndarray, buffer: DeviceBuffer) -> None:
-        self._fits(buffer, data.nbytes)
+        fits(buffer, data.nbytes)
         data = np.ascontiguousarray(data)
         with self.lock:
             self._open()
             (err,) = self._d.cuMemcpyHtoD(buffer.ptr, data.ctypes.data, data.nbytes)
             self._check(err, "cuMemcpyHtoD")
+            self._synchronize()  # from pageable memory it may return before the data is there
 
     def copy(self, dst: DeviceBuffer, src: DeviceBuffer, nbytes: int) -> None:
-        self._fits(dst, nbytes)
-        self._fits(src, nbytes)
+        fits(dst, nbytes)
+        fits(src, nbytes)
         with self.lock:
             self._open()
             self._copy(dst.ptr, src.ptr, nbytes)
+            self._synchronize()  # a device-to-device copy does not wait on the host
 
     def _copy(self, dst: int, src: int, nbytes: int) -> None:
         if dst != src and nbytes:
             (err,) = self._d.cuMemcpyDtoD(dst, src, nbytes)
             self._check(err, "cuMemcpyDtoD")
-
-    @staticmethod
-    def _fits(buffer: DeviceBuffer, nbytes: int) -> None:
-        if nbytes < 0:
-            raise BackendError(f"a negative size ({nbytes} bytes)")
-        if nbytes > buffer.size:
-            raise BackendError(f"{nbytes} bytes do not fit the rank's GPU buffer of {buffer.size}")
 
     # --- reductions -------------------------------------------------------------------------------
 
@@ -314,7 +327,7 @@ class CudaDevice:
         steps = reduction_steps(dtype, op, len(parts))
         nbytes = count * dtype_of(dtype).itemsize
         for buffer in (*parts, out):
-            self._fits(buffer, nbytes)
+            fits(buffer, nbytes)
         with self.lock:
             self._open()
             acc = self._scratch(count * 4).ptr if dtype == "bfloat16" else 0
@@ -330,8 +343,12 @@ class CudaDevice:
                 else:
                     part = parts[step.part or 0].ptr
                     self._launch(step.kernel, ctypes.c_uint64(target), ctypes.c_uint64(part), count)
-            (err,) = self._d.cuCtxSynchronize()
-            self._check(err, "cuCtxSynchronize")
+            self._synchronize()
+
+    def _synchronize(self) -> None:
+        """Wait until everything queued on the GPU is done: the proxy answers a rank only after."""
+        (err,) = self._d.cuCtxSynchronize()
+        self._check(err, "cuCtxSynchronize")
 
     def _scratch(self, nbytes: int) -> DeviceBuffer:
         if self.scratch is None or self.scratch.size < nbytes:
@@ -353,6 +370,8 @@ class CudaDevice:
         return function
 
     def _launch(self, name: str, first, second, count: int) -> None:
+        if not 0 <= count < 1 << 62:
+            raise BackendError(f"a kernel over {count} elements")
         args = [first, second, ctypes.c_uint64(count)]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         (err,) = self._d.cuLaunchKernel(self._function(name), grid(count), 1, 1, THREADS, 1, 1, 0, 0,

@@ -9,12 +9,18 @@
 //                      given, rounded once at the end (to nearest, ties to even; NaN stays a quiet NaN);
 //   integers           two's-complement wraparound, as numpy's;
 //   bool               sum and max are "or", product and min are "and";
-//   min, max           a NaN on either side wins, as numpy's minimum and maximum.
+//   min, max           a NaN on either side wins, and of two equal values (+0 and -0) the second
+//                      (float32, float64, bfloat16) or the first (float16), as numpy's minimum and
+//                      maximum choose.
+//
+// A NaN result is a NaN, but its sign and payload are not promised: a GPU writes its canonical NaN
+// where arithmetic makes one, x86 an operand's.
 //
 // The same functions compile for the host (g++ -x c++), where the unit tests run them against the host
 // backend on the same inputs (tests/unit/test_proxy_gpu_kernels.py). `make kernels` turns this file into
 // reduce.ptx, which the proxy loads with the driver (no compiler on the GPU node); the PTX targets
-// compute capability 7.0, which the driver compiles for any newer GPU.
+// compute capability 7.5 (Turing) and newer, which the driver compiles it for; on older GPUs the proxy
+// offers no GPU buffers.
 
 #include <stdint.h>
 
@@ -100,8 +106,11 @@ HD uint16_t float_to_bf16(float f) {
 
 // --- the combining steps ---------------------------------------------------------------------------
 
-template <typename T> HD T fmin_nan(T a, T b) { return (a <= b || a != a) ? a : b; }
-template <typename T> HD T fmax_nan(T a, T b) { return (a >= b || a != a) ? a : b; }
+// numpy's float32 and float64 loops keep the second of two equal values, its float16 loop the first
+template <typename T> HD T fmin_nan(T a, T b) { return (a < b || a != a) ? a : b; }
+template <typename T> HD T fmax_nan(T a, T b) { return (a > b || a != a) ? a : b; }
+HD float fmin_first(float a, float b) { return (a <= b || a != a) ? a : b; }
+HD float fmax_first(float a, float b) { return (a >= b || a != a) ? a : b; }
 
 template <typename T, typename U> HD T wrap_add(T a, T b) { return (T)(U)((U)a + (U)b); }
 template <typename T, typename U> HD T wrap_mul(T a, T b) {
@@ -136,14 +145,14 @@ HD boolean min_boolean(boolean a, boolean b) { return (boolean)(a != 0 && b != 0
 HD boolean max_boolean(boolean a, boolean b) { return (boolean)((a | b) != 0); }
 
 typedef uint16_t half_bits;
-#define HALF_STEP(OP)                                                   \
+#define HALF_STEP(OP, F)                                                \
     HD half_bits OP##_half_bits(half_bits a, half_bits b) {             \
-        return float_to_half(OP##_float(half_to_float(a), half_to_float(b))); \
+        return float_to_half(F(half_to_float(a), half_to_float(b)));    \
     }
-HALF_STEP(sum)
-HALF_STEP(product)
-HALF_STEP(min)
-HALF_STEP(max)
+HALF_STEP(sum, sum_float)
+HALF_STEP(product, product_float)
+HALF_STEP(min, fmin_first)
+HALF_STEP(max, fmax_first)
 
 // bfloat16: the accumulator is float32, the contribution bfloat16
 #define BF16_STEP(OP)                                                   \

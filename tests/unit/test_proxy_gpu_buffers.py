@@ -65,23 +65,23 @@ class StandInGpu:
         return np.frombuffer(self.live[buffer.ptr][1], dtype=dtype, count=count)
 
     def download(self, buffer: gpu.DeviceBuffer, into: np.ndarray) -> None:
-        gpu.CudaDevice._fits(buffer, into.nbytes)
+        gpu.fits(buffer, into.nbytes)
         into[:] = self._array(buffer, into.dtype, into.size)
 
     def upload(self, data: np.ndarray, buffer: gpu.DeviceBuffer) -> None:
-        gpu.CudaDevice._fits(buffer, data.nbytes)
+        gpu.fits(buffer, data.nbytes)
         self._array(buffer, data.dtype, data.size)[:] = data
 
     def copy(self, dst: gpu.DeviceBuffer, src: gpu.DeviceBuffer, nbytes: int) -> None:
-        gpu.CudaDevice._fits(dst, nbytes)
-        gpu.CudaDevice._fits(src, nbytes)
+        gpu.fits(dst, nbytes)
+        gpu.fits(src, nbytes)
         self._array(dst, np.dtype(np.uint8), nbytes)[:] = self._array(src, np.dtype(np.uint8), nbytes)
 
     def reduce(self, dtype: str, op: str, parts, out: gpu.DeviceBuffer, count: int) -> None:
         gpu.reduction_steps(dtype, op, len(parts))  # refuses what the kernels refuse
         kind = dtype_of(dtype)
         for buffer in (*parts, out):
-            gpu.CudaDevice._fits(buffer, count * kind.itemsize)
+            gpu.fits(buffer, count * kind.itemsize)
         self.reductions.append([p.ptr for p in parts])
         result = HostBackend().reduce([np.array(self._array(p, kind, count)) for p in parts], op)
         self._array(out, kind, count)[:] = result
@@ -90,7 +90,7 @@ class StandInGpu:
 class Rank:
     """A rank's connection, speaking the wire protocol as proxy_client does."""
 
-    def __init__(self, job: Job, rank: int, comms: dict[str, list[int]]):
+    def __init__(self, job: Job, rank: int, comms: dict[str, list[int]], hello: bool = True):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(30)
         deadline = time.monotonic() + 10
@@ -103,7 +103,8 @@ class Rank:
                 time.sleep(0.02)
         self.reader = wire.Reader(self.sock)
         self.memory: mmap.mmap | None = None
-        self.hello = self.ask({"op": "hello", "rank": rank, "world_size": len(job.placement), "comms": comms})
+        greeting = {"op": "hello", "rank": rank, "world_size": len(job.placement), "comms": comms}
+        self.hello = self.ask(greeting) if hello else {}
 
     def ask_fds(self, message: dict) -> tuple[dict, list[int]]:
         wire.send(self.sock, message)
@@ -245,6 +246,32 @@ def test_bad_gpu_requests_are_refused_and_change_nothing(job) -> None:
     finally:
         for rank in (zero, one, plain):
             rank.close()
+
+
+def test_a_buffer_needs_a_hello_first_and_a_rank_gets_a_bounded_number_per_generation(job) -> None:
+    from singularity_slurm.proxy.daemon import MAX_GPU_MAPS
+
+    stand_in = StandInGpu()
+    solo = job({0: "p0"}, cuda={"p0": stand_in})
+    silent = Rank(solo, 0, {}, hello=False)
+    try:
+        assert "say hello first" in silent.map_gpu(1024)["error"] and not stand_in.live
+    finally:
+        silent.close()
+    rank = Rank(solo, 0, {"world": [0]})
+    try:
+        for _ in range(MAX_GPU_MAPS):
+            assert rank.map_gpu(1024)["ok"]
+        assert f"had {MAX_GPU_MAPS} GPU buffers in this generation" in rank.map_gpu(1024)["error"]
+        assert len(stand_in.live) <= 1
+        solo.proxies["p0"].configure("2", {0: "p0"})  # a new generation: the rank reconnects and asks again
+    finally:
+        rank.close()
+    again = Rank(solo, 0, {"world": [0]})
+    try:
+        assert again.map_gpu(1024)["ok"]
+    finally:
+        again.close()
 
 
 def test_a_ranks_buffer_is_freed_when_it_maps_a_larger_one_and_when_it_goes(job) -> None:

@@ -68,7 +68,8 @@ def _context(ordinal: int) -> None:
     try:
         _check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     finally:
-        cu.cuDevicePrimaryCtxRelease(device)  # the framework holds it: current stays valid
+        release = getattr(cu, "cuDevicePrimaryCtxRelease_v2", None) or cu.cuDevicePrimaryCtxRelease
+        release(device)  # the framework holds it too: the context stays valid and current
 
 
 def device_uuid(ordinal: int) -> str:
@@ -129,12 +130,12 @@ class GpuBuffer:
 
     def release(self) -> None:
         """Unmap and drop the buffer (after every copy into or out of it has finished: they are
-        waited for). Safe to call twice."""
+        waited for). Safe to call twice; raises GpuBufferError where the driver refuses a step."""
         cu = driver()
         if self.ptr.value:
-            cu.cuMemUnmap(self.ptr, ctypes.c_size_t(self.size))
-            cu.cuMemAddressFree(self.ptr, ctypes.c_size_t(self.size))
+            _check(cu.cuMemUnmap(self.ptr, ctypes.c_size_t(self.size)), "cuMemUnmap")
+            _check(cu.cuMemAddressFree(self.ptr, ctypes.c_size_t(self.size)), "cuMemAddressFree")
             self.ptr = ctypes.c_ulonglong()
         if self.handle.value:
-            cu.cuMemRelease(self.handle)
+            _check(cu.cuMemRelease(self.handle), "cuMemRelease")
             self.handle = ctypes.c_ulonglong()

@@ -117,8 +117,12 @@ class ProxyClient:
         and the mapping must be gone first.
         """
         if self.gpu_buffer is not None:
-            self.gpu_buffer.release()
-        self.gpu_buffer, self.gpu_uuid = None, None
+            try:
+                self.gpu_buffer.release()
+            except RuntimeError as exc:  # still mapped: the checkpoint must not take this process so
+                self._end(f"cannot release the GPU buffer of the device proxy ({exc})")
+        self.gpu_buffer, self.gpu_uuid, self.gpu_refused = None, None, None
+        self.gpu_uuids.clear()  # after a restore a CUDA device may be another GPU
         if self.shm_addr:
             _libc.munmap(self.shm_addr, self.shm_size)
         self.shm_addr = self.shm_size = 0
@@ -233,7 +237,11 @@ class ProxyClient:
                     if not self._map_gpu(nbytes, ordinal):
                         return False
                     continue
-                self.gpu_buffer.copy_in(ptr, nbytes)
+                try:
+                    self.gpu_buffer.copy_in(ptr, nbytes)
+                except RuntimeError as exc:  # nothing sent yet: host memory serves this one
+                    self._refuse_gpu(str(exc))
+                    return False
                 reply = self._guarded(lambda: self._exchange({**message, "gpu": True}))
                 if reply is None:
                     continue
@@ -261,14 +269,23 @@ class ProxyClient:
         """A buffer of at least nbytes from the proxy, the old one released first."""
         from .gpu_buffer import GpuBuffer
 
+        asks = [nbytes]
         if self.gpu_buffer is not None:
-            self.gpu_buffer.release()
+            if 2 * self.gpu_buffer.size > nbytes:  # growing by doubling: few buffers a rank
+                asks.insert(0, 2 * self.gpu_buffer.size)
+            try:
+                self.gpu_buffer.release()
+            except RuntimeError as exc:
+                self._end(f"cannot release the GPU buffer of the device proxy ({exc})")
             self.gpu_buffer = None
-        try:
-            result = self._guarded(lambda: self._exchange_fds({"op": "map_gpu", "bytes": nbytes}))
-        except ProxyError as exc:
-            self._refuse_gpu(str(exc))
-            return False
+        for i, size in enumerate(asks):
+            try:
+                result = self._guarded(lambda size=size: self._exchange_fds({"op": "map_gpu", "bytes": size}))
+                break
+            except ProxyError as exc:
+                if i == len(asks) - 1:  # the size needed itself is refused
+                    self._refuse_gpu(str(exc))
+                    return False
         if result is None:  # the proxy went away
             return False
         reply, fds = result
@@ -310,8 +327,12 @@ class ProxyClient:
             return action()
         except (OSError, EOFError, wire.ProtocolError) as exc:
             self._drop()
-            sys.stderr.write(f"[singularity] rank {self.rank}: lost the device proxy ({exc}); the node "
-                             "agent requeues the job from its last checkpoint\n")
-            sys.stderr.flush()
-            time.sleep(PROXY_LOST_WAIT_S)
-            os._exit(75)
+            self._end(f"lost the device proxy ({exc})")
+
+    def _end(self, why: str) -> None:
+        """Wait to be ended by the node agent, which requeues the job from its last checkpoint."""
+        sys.stderr.write(f"[singularity] rank {self.rank}: {why}; the node agent requeues the job from its "
+                         "last checkpoint\n")
+        sys.stderr.flush()
+        time.sleep(PROXY_LOST_WAIT_S)
+        os._exit(75)
