@@ -176,7 +176,7 @@ def gpu_benchmarks(out: Path, gpus: int) -> None:
     except Exception as exc:
         verdict("time-slicing", "FAIL", str(exc))
         return
-    gpu_buffers(out, sizes)
+    gpu_buffers(out, ["--hidden", "4096", "--steps", "40", "--warmup", "5", "--compute-steps", "0"])
     gpu_swap(out, {row["hidden"]: row["two_ranks_one_gpu_ms"] for row in rows})
 
 

@@ -189,9 +189,10 @@ def test_a_one_gpu_communicator_is_reduced_on_the_gpu_in_rank_order_into_every_b
             rank.close()
 
 
-def test_members_on_other_gpus_go_through_host_memory_and_get_the_same_bits(job) -> None:
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_members_on_other_gpus_go_through_host_memory_and_get_the_same_bits(job, shared_memory) -> None:
     gpus = {"p0": StandInGpu(), "p1": StandInGpu()}
-    pair = job({0: "p0", 1: "p1", 2: "p1"}, cuda=gpus, limits=ProxyConfig(shared_memory=False))
+    pair = job({0: "p0", 1: "p1", 2: "p1"}, cuda=gpus, limits=ProxyConfig(shared_memory=shared_memory))
     ranks = [Rank(pair, r, {"world": [0, 1, 2]}) for r in range(3)]
     try:
         count = 4099
@@ -210,7 +211,8 @@ def test_members_on_other_gpus_go_through_host_memory_and_get_the_same_bits(job)
         assert ranks[1].array("float32", count).tobytes() == expected
         assert region.array("float32", count).tobytes() == expected
         assert not gpus["p0"].reductions and not gpus["p1"].reductions  # reduced on the host
-        assert pair.proxies["p1"].stats_report()["allreduce"]["gpu_pipeline"] == 1
+        stats = pair.proxies["p1"].stats_report()["allreduce"]
+        assert stats["gpu_pipeline"] == 1 and stats.get("shared_memory", 0) == int(shared_memory)
     finally:
         for rank in ranks:
             rank.close()
