@@ -302,7 +302,8 @@ class ProxyClient:
         return True
 
     def _refuse_gpu(self, why: str) -> None:
-        """Stop using GPU buffers in this process (tensors go through host memory), and say why once."""
+        """Stop using GPU buffers on this connection (tensors go through host memory; a new connection,
+        after a checkpoint, tries again), and say why once."""
         self.gpu_refused = why
         sys.stderr.write(f"[singularity] rank {self.rank}: CUDA tensors go through host memory: {why}\n")
         sys.stderr.flush()
