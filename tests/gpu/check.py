@@ -26,9 +26,9 @@ Items:
   them GPU buffers and reduces on the GPU, against the same with proxy.gpu_buffers = false (staged
   through host memory): the step time ratio, and the same losses both ways
 - ddp-2rank: examples/train_ddp.py --device cuda (`init_process_group("nccl")`, unmodified), two
-  ranks time-sliced on one GPU through one proxy, preempted at step 20 and restored the node agent's
-  way (tests/gpu/ddp.py: the proxy's cut, the driver's checkpoint, criu per rank tree, a new proxy
-  and generation): both ranks' logs byte-identical to an undisturbed 2-rank run's
+  ranks time-sliced on one GPU through one proxy, preempted at step 15 of 40 and restored the node
+  agent's way (tests/gpu/ddp.py: the proxy's cut, the driver's checkpoint, criu per rank tree, a new
+  proxy and generation): both ranks' logs byte-identical to an undisturbed 2-rank run's
 - ddp-2rank-swapped: the same with proxy.gpu_swap = always and 256 MiB per rank besides the model: at
   the cut a rank's memory is out already (recorded, left so); after the restore its proxy brings it
   in through the restore's GPU UUID pairs
@@ -151,7 +151,7 @@ def gpu_benchmarks(out: Path, gpus: int) -> None:
     sizes = ["--hidden", "1024,4096", "--steps", "60", "--warmup", "10", "--compute-steps", "5"]
     try:
         side = proxy_bench(out, "proxy-vs-nccl", "--world-size", str(gpus), "--proxies", str(gpus),
-                           "--rounds", "3", *sizes)
+                           "--rounds", "2", *sizes)
         rows = [{k: row[k] for k in ("hidden", "grad_mib", "gloo_ms", "proxy_ms", "ratio", "gloo_losses",
                                       "proxy_losses")} for row in side["summary"]]
         alike = all(len(r["gloo_losses"]) == 1 and len(r["proxy_losses"]) == 1 for r in rows)
@@ -233,8 +233,9 @@ def ddp_checks(work: Path, criu: str) -> None:
     through GPU buffers reduced on the GPU (gpu_swap never), whose numbers must be the staged run's."""
     swapped = {"gpu_swap": "always", "device_mb": 256, "steps": 8, "cut_step": 4}  # moves take seconds
     references: dict[str, object] = {}
-    for item, options in (("ddp-2rank", {}), ("ddp-2rank-swapped", swapped),
-                          ("ddp-2rank-gpu-buffers", {"gpu_swap": "never"})):
+    short = {"steps": 40, "cut_step": 15}  # both alike: their undisturbed runs' logs are compared
+    for item, options in (("ddp-2rank", short), ("ddp-2rank-swapped", swapped),
+                          ("ddp-2rank-gpu-buffers", {**short, "gpu_swap": "never"})):
         try:
             result = ddp.check(work / item, criu, "cuda", **options)
             references[item] = result["reference_sha256"]
