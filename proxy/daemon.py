@@ -344,13 +344,17 @@ class Proxy:
             threading.Thread(target=self._serve, args=(rank, sock), daemon=True).start()
 
     def _map(self, message: dict) -> Region:
+        return self.device.region(self._bounded(message, "a shared region"), shared.region_name(self.job_id))
+
+    def _bounded(self, message: dict, what: str) -> int:
+        """The bytes a rank asks for, within the admin's bound."""
         nbytes = int(message["bytes"])
         limit = self.limits.max_region_bytes
         if not 0 <= nbytes <= limit:
-            raise ProxyError(f"a shared region of {nbytes} bytes is not between 0 and the {limit} bytes "
-                             f"the admin allows (proxy.max_region_mib = {self.limits.max_region_mib}): "
-                             "move less data per collective call")
-        return self.device.region(nbytes, shared.region_name(self.job_id))
+            raise ProxyError(f"{what} of {nbytes} bytes is not between 0 and the {limit} bytes the admin "
+                             f"allows (proxy.max_region_mib = {self.limits.max_region_mib}): move less data "
+                             "per collective call")
+        return nbytes
 
     def _gpu_uuid(self) -> str | None:
         """The GPU whose buffers this proxy offers its ranks now, if it does."""
@@ -372,12 +376,7 @@ class Proxy:
                 raise ProxyError(f"rank {session.rank} had {MAX_GPU_MAPS} GPU buffers in this generation: "
                                  "no more (ask for the largest size needed)")
             self.gpu_maps[session.rank] += 1
-        nbytes = int(message["bytes"])
-        limit = self.limits.max_region_bytes
-        if not 0 <= nbytes <= limit:
-            raise ProxyError(f"a GPU buffer of {nbytes} bytes is not between 0 and the {limit} bytes "
-                             f"the admin allows (proxy.max_region_mib = {self.limits.max_region_mib}): "
-                             "move less data per collective call")
+        nbytes = self._bounded(message, "a GPU buffer")
         self._free_gpu(session)
         try:
             session.gpu = self.cuda.alloc(nbytes)

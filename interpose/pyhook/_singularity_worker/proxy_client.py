@@ -207,18 +207,24 @@ class ProxyClient:
                 for addr, length in inputs:
                     ctypes.memmove(self.shm_addr + offset, addr, length)
                     offset += length
-                reply = self._guarded(lambda: self._exchange(message))
+                reply = self._answer(message)
                 if reply is None:
-                    continue
-                if reply.get("park"):
-                    self.parks += 1
-                    self._drop()
                     continue
                 offset = 0
                 for addr, length in outputs:
                     ctypes.memmove(addr, self.shm_addr + offset, length)
                     offset += length
                 return reply
+
+    def _answer(self, message: dict) -> dict | None:
+        """Send an operation and take its answer; None where it was `park` (a checkpoint's cut): the
+        connection and everything the proxy handed out are dropped, and the caller sends it again."""
+        reply = self._guarded(lambda: self._exchange(message))
+        if reply.get("park"):
+            self.parks += 1
+            self._drop()
+            return None
+        return reply
 
     def call_gpu(self, message: dict, ptr: int, nbytes: int, ordinal: int) -> bool:
         """Run an allreduce of `nbytes` at device address `ptr` (CUDA device `ordinal`) through the
@@ -242,12 +248,7 @@ class ProxyClient:
                 except RuntimeError as exc:  # nothing sent yet: host memory serves this one
                     self._refuse_gpu(str(exc))
                     return False
-                reply = self._guarded(lambda: self._exchange({**message, "gpu": True}))
-                if reply is None:
-                    continue
-                if reply.get("park"):
-                    self.parks += 1
-                    self._drop()
+                if self._answer({**message, "gpu": True}) is None:
                     continue
                 self.gpu_buffer.copy_out(ptr, nbytes)
                 return True
