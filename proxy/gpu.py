@@ -2,10 +2,11 @@
 
 Where a GPU's proxy can (`proxy.gpu_buffers`, the driver's virtual memory calls, the kernels loaded),
 it gives each rank a buffer in the GPU's memory, allocated by the proxy and handed to the worker as a
-file descriptor (the driver's POSIX-fd shareable handle, sent with SCM_RIGHTS like the host regions;
-it works across PID namespaces, where the legacy CUDA IPC handles do not, and only a holder of the
-descriptor can map it). A rank's allreduce of a CUDA tensor then copies the tensor into its buffer on
-the GPU, and the result back, device to device; nothing goes through host memory in the worker.
+file descriptor (the driver's POSIX-fd shareable handle, sent with SCM_RIGHTS like the host regions:
+a descriptor needs no shared PID namespace, which legacy CUDA IPC handles are reported to need, and
+only a holder of it can map the memory). A rank's allreduce of a CUDA tensor then copies the tensor
+into its buffer on the GPU, and the result back, device to device; nothing goes through host memory
+in the worker.
 
 The proxy combines the contributions:
 - all members of the communicator on this GPU (ranks taking turns on one GPU, a one-GPU job): on the
