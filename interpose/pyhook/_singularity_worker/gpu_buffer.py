@@ -109,8 +109,18 @@ class GpuBuffer:
             _check(cu.cuMemSetAccess(self.ptr, length, ctypes.byref(access), ctypes.c_size_t(1)),
                    "cuMemSetAccess")
         except GpuBufferError:
-            self.release()
+            self._discard()
             raise
+
+    def _discard(self) -> None:
+        """After a failed mapping: undo whatever was done, each step whatever became of the others."""
+        cu = driver()
+        if self.ptr.value:
+            cu.cuMemUnmap(self.ptr, ctypes.c_size_t(self.size))  # fails where it was not mapped yet
+            cu.cuMemAddressFree(self.ptr, ctypes.c_size_t(self.size))
+        if self.handle.value:
+            cu.cuMemRelease(self.handle)
+        self.ptr, self.handle = ctypes.c_ulonglong(), ctypes.c_ulonglong()
 
     def copy_in(self, src: int, nbytes: int) -> None:
         """nbytes from device address `src` to the buffer's start; returns once they are there."""
