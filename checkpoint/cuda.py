@@ -128,21 +128,29 @@ class GpuPair:
     new_uuid: str
 
 
+def driver_bindings():
+    """cuda-python's driver bindings (`cuda.bindings.driver`), the driver initialised; CudaUnavailable
+    where the bindings are not installed or there is no usable driver."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise CudaUnavailable("cuda-python's driver bindings are not installed in the project's venv: "
+                              "install the gpu extra (pip install 'singularity-slurm[gpu]')") from exc
+    try:
+        (err,) = driver.cuInit(0)
+    except RuntimeError as exc:  # the bindings could not load libcuda.so.1
+        raise CudaUnavailable(f"no NVIDIA driver on this node: {exc}") from exc
+    if int(err) != 0:
+        raise CudaUnavailable(f"the NVIDIA driver does not initialise: cuInit failed: "
+                              f"{getattr(err, 'name', int(err))}")
+    return driver
+
+
 class Driver:
     """The driver's checkpoint calls through cuda-python (`cuda.bindings.driver`)."""
 
     def __init__(self, lock_timeout_ms: int = 60_000):
-        try:
-            from cuda.bindings import driver
-        except ImportError as exc:
-            raise CudaUnavailable("cuda-python's driver bindings are not installed in the project's venv: "
-                                  "install the gpu extra (pip install 'singularity-slurm[gpu]')") from exc
-        try:
-            (err,) = driver.cuInit(0)
-        except RuntimeError as exc:  # the bindings could not load libcuda.so.1
-            raise CudaUnavailable(f"no NVIDIA driver on this node: {exc}") from exc
-        self._d = driver
-        self._check(err, "cuInit")
+        driver = self._d = driver_bindings()
         missing = [name for name in ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                                      "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
                                      "cuCheckpointProcessGetState") if not hasattr(driver, name)]

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from singularity_slurm.checkpoint import cuda
+
 from .hal import REDUCTIONS, BackendError, dtype_of
 
 PTX = Path(__file__).with_name("kernels") / "reduce.ptx"
@@ -174,16 +176,9 @@ class CudaDevice:
 
     def _setup(self) -> None:
         try:
-            from cuda.bindings import driver
-        except ImportError as exc:
-            raise GpuUnavailable("cuda-python's driver bindings are not installed in the project's venv "
-                                 "(the gpu extra)") from exc
-        try:
-            (err,) = driver.cuInit(0)
-        except RuntimeError as exc:
-            raise GpuUnavailable(f"no NVIDIA driver here: {exc}") from exc
-        self._d = driver
-        self._check(err, "cuInit")
+            driver = self._d = cuda.driver_bindings()
+        except cuda.CudaUnavailable as exc:
+            raise GpuUnavailable(str(exc)) from exc
         self.ordinal, self.device = self._find(self.uuid)
         err, mode = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE,
                                                 self.device)
