@@ -1,16 +1,19 @@
 """Bring what the dev cluster needs onto a Debian 12 or 13 machine, idempotently, as root.
 
 CRIU: Debian 12's criu 3.17 fails on current kernels (`vdso: Unexpected rt vDSO area bounds`), and
-Debian 13's criu 4.1 needs glibc 2.38. On Debian 12 we therefore unpack Debian 13's criu together
-with its own libraries (glibc included) under PREFIX/criu, and point the binary at its own loader
-and library folder with patchelf; nothing of the system's is replaced. pycriu (pure Python, not on
-PyPI) is unpacked from the python3-pycriu package into the project's virtual environment.
+the project needs criu with its own patches (checkpoint/criu_patches) anyway. So the installer
+builds criu itself, on this machine and against its own libraries: it downloads the upstream tarball
+of Debian 13's criu source package through a private apt (checked against the signed Sources
+index), applies the patches, runs `make criu` and installs the binary as PREFIX/criu/bin/criu, with
+PREFIX/criu/BUILD recording what it was built from; a later run rebuilds only when that differs.
+pycriu (pure Python, not on PyPI) is unpacked from the python3-pycriu package into the project's
+virtual environment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import platform
 import pwd
 import re
 import shutil
@@ -18,8 +21,11 @@ import stat
 import subprocess
 import sysconfig
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import TextIO
 
 from singularity_slurm.errors import DevClusterError
 
@@ -27,17 +33,26 @@ from .render import Layout
 
 SYSTEM_PACKAGES = [
     "munge", "slurmctld", "slurmd", "slurm-client", "libslurm-dev", "redis-server",
-    "gcc", "libc6-dev", "patchelf", "procps", "util-linux", "lua5.1",
+    "gcc", "libc6-dev", "procps", "util-linux", "lua5.1",
     "prometheus",  # scrapes the SLA controller's metrics in the tests (the dev cluster starts none)
 ]
 CRIU_SUITE = "trixie"
-CRIU_PACKAGES = [
-    "criu", "libcompel1", "libc6", "libbsd0", "libmd0", "libcap2", "libgnutls30t64", "libp11-kit0",
-    "libffi8", "libidn2-0", "libunistring5", "libtasn1-6", "libnettle8t64", "libhogweed6t64",
-    "libgmp10", "libnet1", "libnftables1", "libjansson4", "libmnl0", "libnftnl11", "libxtables12",
-    "libedit2", "libtinfo6", "libnl-3-200", "libprotobuf-c1", "libuuid1",
+CRIU_SOURCE = "criu"
+CRIU_VERSION = "4.1.1"
+"""The upstream release the patches are written against: a Sources index with another one stops
+the build (update this and check that the patches still apply)."""
+CRIU_PATCHES = "singularity_slurm.checkpoint.criu_patches"
+CRIU_BUILD_PACKAGES = [
+    "gcc", "libc6-dev", "make", "pkg-config", "patch", "xz-utils",
+    "protobuf-c-compiler", "libprotobuf-c-dev", "libprotobuf-dev",  # images/*.proto (descriptor.proto)
+    "libnl-3-dev", "libnet1-dev", "libcap-dev", "uuid-dev",
+    # optional in criu's Makefile, built in as in Debian's package: setproctitle, TLS for the page
+    # server, nftables network locking
+    "libbsd-dev", "libgnutls28-dev", "libnftables-dev",
 ]
-MIN_CRIU = (4, 0)
+"""What `make criu` needs on Debian 12 and 13 (no Python, no documentation tools)."""
+APT_HELPER = "/usr/lib/apt/apt-helper"
+BUILD_TAIL_LINES = 40
 POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
 UNSTARTED_SERVICES = {"prometheus"}
 """Packages whose own service stays off at boot too (the tests start a Prometheus of their own)."""
@@ -107,17 +122,19 @@ def ensure_packages(names: list[str], say: Say) -> None:
             run(["systemctl", "disable", unit], check=False)
 
 
-def parse_version_tuple(text: str) -> tuple[int, ...] | None:
-    match = re.search(r"Version:\s*(\d+)\.(\d+)", text) or re.search(r"(\d+)\.(\d+)", text)
-    return (int(match[1]), int(match[2])) if match else None
+def parse_release(text: str) -> str | None:
+    """The release in `criu --version` output ("Version: 4.1.1" gives "4.1.1")."""
+    match = re.search(r"^Version:\s*(\d+(?:\.\d+)+)\s*$", text, re.M)
+    return match[1] if match else None
 
 
-def criu_version(binary: str | Path) -> tuple[int, ...] | None:
+def criu_release(binary: str | Path) -> str | None:
+    """What `BINARY --version` reports, or None when it does not run."""
     try:
         proc = run([str(binary), "--version"], check=False)
     except OSError:
         return None
-    return parse_version_tuple(proc.stdout) if proc.returncode == 0 else None
+    return parse_release(proc.stdout) if proc.returncode == 0 else None
 
 
 def debian_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
@@ -136,14 +153,29 @@ def debian_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
     raise DevClusterError("no Debian archive found in /etc/apt sources; add one and try again")
 
 
-class PrivateApt:
-    """apt-get with its own source list and cache: downloads packages, installs nothing."""
+def sources_list(mirror: str, suite: str, kinds: Iterable[str] = ("deb",)) -> str:
+    """A one-suite sources.list: `deb` for binary packages, `deb-src` for source packages."""
+    return "".join(f"{kind} {mirror} {suite} main\n" for kind in kinds)
 
-    def __init__(self, root: Path, mirror: str, suite: str):
+
+def parse_source_uris(text: str) -> list[tuple[str, str, str]]:
+    """(URI, file name, hash) of each file in `apt-get source --print-uris` output."""
+    files = []
+    for line in text.splitlines():
+        match = re.match(r"^'([^']+)'\s+(\S+)\s+\d+\s+(\S+:\S+)\s*$", line)
+        if match:
+            files.append((match[1], match[2], match[3]))
+    return files
+
+
+class PrivateApt:
+    """apt-get with its own source list and cache: downloads packages or sources, installs nothing."""
+
+    def __init__(self, root: Path, mirror: str, suite: str, kinds: Iterable[str] = ("deb",)):
         self.root = root
         (root / "lists" / "partial").mkdir(parents=True, exist_ok=True)
         (root / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
-        (root / "sources.list").write_text(f"deb {mirror} {suite} main\n")
+        (root / "sources.list").write_text(sources_list(mirror, suite, kinds))
         self.options = [
             "-o", f"Dir::Etc::SourceList={root / 'sources.list'}",
             "-o", "Dir::Etc::SourceParts=/nonexistent",
@@ -161,53 +193,117 @@ class PrivateApt:
         run(["apt-get", *self.options, "download", *packages], cwd=into)
         return sorted(into.glob("*.deb"))
 
-
-def multiarch() -> tuple[str, str]:
-    """(multiarch folder, dynamic loader name) of this machine."""
-    machine = platform.machine()
-    if machine == "x86_64":
-        return "x86_64-linux-gnu", "ld-linux-x86-64.so.2"
-    if machine == "aarch64":
-        return "aarch64-linux-gnu", "ld-linux-aarch64.so.1"
-    raise DevClusterError(f"no bundled CRIU for {machine}; install criu >= 4.0 yourself")
+    def upstream_tarball(self, package: str, into: Path) -> Path:
+        """The upstream tarball (`*.orig.tar.*`) of the source package, alone: apt-helper checks it
+        against the hash in the signed Sources index. (The .dsc and the Debian packaging are not
+        needed, and some mirrors lack them.)"""
+        listing = run(["apt-get", *self.options, "source", "--print-uris", "-qq", package]).stdout
+        tarballs = [f for f in parse_source_uris(listing) if ".orig.tar." in f[1]]
+        if len(tarballs) != 1:
+            raise DevClusterError(
+                f"no single upstream tarball in Debian's {package} source: {listing.strip() or 'nothing'}")
+        ((uri, name, digest),) = tarballs
+        into.mkdir(parents=True, exist_ok=True)
+        run([APT_HELPER, *self.options, "download-file", uri, str(into / name), digest])
+        return into / name
 
 
 def bundled_criu(prefix: Path) -> Path:
     return prefix / "criu" / "bin" / "criu"
 
 
-def ensure_criu(layout: Layout, say: Say) -> Path:
-    """A working criu >= 4.0: the system's if it is recent enough, else Debian 13's, bundled."""
-    for candidate in (shutil.which("criu"), bundled_criu(layout.prefix)):
-        version = criu_version(candidate) if candidate else None
-        if version and version >= MIN_CRIU:
-            return Path(candidate)
-    say(f"bundling CRIU from Debian {CRIU_SUITE} under {layout.prefix / 'criu'} "
-        "(Debian 12's criu 3.17 does not work on current kernels)")
-    triple, loader = multiarch()
-    root = layout.prefix / "criu"
-    apt = PrivateApt(layout.lib_dir / "apt-criu", debian_mirror(), CRIU_SUITE)
+def stamp_path(prefix: Path) -> Path:
+    return prefix / "criu" / "BUILD"
+
+
+def criu_patches(folder: Traversable | None = None) -> list[tuple[str, bytes]]:
+    """(name, contents) of each `*.patch` in FOLDER (the criu_patches package data), in name order."""
+    folder = folder if folder is not None else resources.files(CRIU_PATCHES)
+    found = [(entry.name, entry.read_bytes()) for entry in folder.iterdir()
+             if entry.name.endswith(".patch") and entry.is_file()]
+    return sorted(found)
+
+
+def build_stamp(version: str, patches: list[tuple[str, bytes]]) -> str:
+    """PREFIX/criu/BUILD: the upstream release and a digest of the patches' names and contents."""
+    digest = hashlib.sha256()
+    for name, data in sorted(patches):
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return f"criu {version}\npatches sha256:{digest.hexdigest()}\n"
+
+
+def tarball_version(name: str, package: str = CRIU_SOURCE) -> str | None:
+    """The upstream version in an upstream tarball's name (criu_4.1.1.orig.tar.xz gives 4.1.1)."""
+    match = re.fullmatch(rf"{re.escape(package)}_(.+)\.orig\.tar\.\w+", name)
+    return match[1] if match else None
+
+
+def build_step(argv: list[str], cwd: Path, log: TextIO, what: str) -> None:
+    """Run one step of the criu build, its output appended to LOG; a failure shows its last lines."""
+    log.write(f"$ {' '.join(argv)}\n")
+    log.flush()
+    proc = subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace")
+    log.write(proc.stdout)
+    log.flush()
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.rstrip().splitlines()[-BUILD_TAIL_LINES:])
+        raise DevClusterError(f"building criu: {what}: `{' '.join(argv)}` failed ({proc.returncode}); "
+                              f"its last lines (all in {log.name}):\n{tail}")
+
+
+def write_atomically(path: Path, data: bytes, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.write_bytes(data)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def ensure_criu(layout: Layout, say: Say, patch_folder: Traversable | None = None) -> Path:
+    """PREFIX/criu/bin/criu: criu CRIU_VERSION from Debian's source with checkpoint/criu_patches applied,
+    built here; reused while PREFIX/criu/BUILD matches the patches and the binary runs."""
+    patches = criu_patches(patch_folder)
+    stamp = build_stamp(CRIU_VERSION, patches)
+    root, binary, stamp_file = layout.prefix / "criu", bundled_criu(layout.prefix), stamp_path(layout.prefix)
+    try:
+        built = stamp_file.read_text()
+    except OSError:
+        built = None
+    if built == stamp and criu_release(binary) == CRIU_VERSION:
+        return binary
+    ensure_packages(CRIU_BUILD_PACKAGES, say)
+    names = ", ".join(name for name, _ in patches) or "none"
+    say(f"building criu {CRIU_VERSION} from Debian {CRIU_SUITE}'s source into {binary} (patches: {names})")
+    apt = PrivateApt(layout.lib_dir / "apt-criu", debian_mirror(), CRIU_SUITE, kinds=("deb-src",))
     apt.update()
-    with tempfile.TemporaryDirectory() as tmp:
-        debs = apt.download(CRIU_PACKAGES, Path(tmp) / "debs")
-        staging = Path(tmp) / "root"
-        for deb in debs:
-            run(["dpkg-deb", "-x", str(deb), str(staging)])
-        libdir = root / "lib"
-        if root.exists():
-            shutil.rmtree(root)
-        (root / "bin").mkdir(parents=True)
-        shutil.copytree(staging / "usr" / "lib" / triple, libdir, symlinks=True)
-        for extra in (staging / "lib" / triple, staging / "lib64"):
-            if extra.is_dir():
-                shutil.copytree(extra, libdir, symlinks=True, dirs_exist_ok=True)
-        binary = root / "bin" / "criu"
-        shutil.copy2(staging / "usr" / "sbin" / "criu", binary)
-        run(["patchelf", "--set-interpreter", str(libdir / loader), "--force-rpath",
-             "--set-rpath", str(libdir), str(binary)])
-    version = criu_version(binary)
-    if not version or version < MIN_CRIU:
-        raise DevClusterError(f"bundled criu at {binary} does not run (version {version})")
+    (root / "bin").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="criu-build-") as tmp, open(root / "build.log", "w") as log:
+        tarball = apt.upstream_tarball(CRIU_SOURCE, Path(tmp))
+        if tarball_version(tarball.name) != CRIU_VERSION:
+            raise DevClusterError(
+                f"Debian {CRIU_SUITE} now has {tarball.name}, the criu patches are for {CRIU_VERSION}: "
+                "update CRIU_VERSION in the installer and check that checkpoint/criu_patches still apply")
+        unpacked = Path(tmp) / "src"
+        unpacked.mkdir()
+        build_step(["tar", "-xf", str(tarball), "-C", str(unpacked)], Path(tmp), log, "unpacking the source")
+        folders = [path for path in unpacked.iterdir() if path.is_dir()]
+        if len(folders) != 1:
+            raise DevClusterError(f"{tarball.name} does not hold one source folder: {folders}")
+        source = folders[0]
+        for name, data in patches:
+            patch_file = Path(tmp) / name
+            patch_file.write_bytes(data)
+            build_step(["patch", "-p1", "--forward", "--batch", "--fuzz=0", "--no-backup-if-mismatch",
+                        "-i", str(patch_file)], source, log, f"applying {name}")
+        build_step(["make", f"-j{len(os.sched_getaffinity(0))}", "criu"], source, log, "make")
+        release = criu_release(source / "criu" / "criu")
+        if release != CRIU_VERSION:
+            raise DevClusterError(f"the criu just built reports version {release}, not {CRIU_VERSION}")
+        write_atomically(binary, (source / "criu" / "criu").read_bytes(), 0o755)
+    write_atomically(stamp_file, stamp.encode(), 0o644)
+    # Debian 13's binary, bundled here before criu was built from source, came with its own libraries
+    shutil.rmtree(root / "lib", ignore_errors=True)
     return binary
 
 

@@ -1,37 +1,44 @@
-"""The pure helpers of the dev-cluster installer: versions, the Debian mirror, /etc/os-release."""
+"""The pure helpers of the dev-cluster installer: versions, the Debian mirror, /etc/os-release, the
+private apt's sources, and what decides whether criu is built again (its patches and build stamp)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from singularity_slurm.devcluster.install import debian_mirror, os_release, parse_version_tuple
+from singularity_slurm.devcluster.install import (
+    CRIU_VERSION,
+    build_stamp,
+    criu_patches,
+    debian_mirror,
+    os_release,
+    parse_release,
+    parse_source_uris,
+    sources_list,
+    tarball_version,
+)
 from singularity_slurm.errors import DevClusterError
+
+REPO = Path(__file__).resolve().parents[2]
 
 # --- criu --version -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "version"), [
-    ("Version: 4.1.1\nGitID: v4.1.1-12-gabcdef\n", (4, 1)),
-    ("Version: 3.17.1\n", (3, 17)),
-    ("Version: 4.0\n", (4, 0)),
-    ("GitID: v9.9\nVersion: 4.1\n", (4, 1)),
-    ("criu 3.18\n", (3, 18)),
+@pytest.mark.parametrize(("text", "release"), [
+    ("Version: 4.1.1\nGitID: v4.1.1-12-gabcdef\n", "4.1.1"),
+    ("Version: 3.17.1\n", "3.17.1"),
+    ("Version: 4.0\n", "4.0"),
+    ("GitID: v9.9\nVersion: 4.1\n", "4.1"),
 ])
-def test_parse_version_tuple_prefers_the_version_line(text: str, version: tuple[int, int]) -> None:
-    assert parse_version_tuple(text) == version
+def test_parse_release_reads_the_version_line(text: str, release: str) -> None:
+    assert parse_release(text) == release
 
 
-@pytest.mark.parametrize("text", ["", "criu: command not found\n", "Version: unknown\n"])
-def test_parse_version_tuple_without_a_version_is_none(text: str) -> None:
-    assert parse_version_tuple(text) is None
-
-
-def test_criu_3_17_is_older_than_the_minimum() -> None:
-    old, new = parse_version_tuple("Version: 3.17.1\n"), parse_version_tuple("Version: 4.0\n")
-
-    assert old < (4, 0) <= new
+@pytest.mark.parametrize("text", ["", "criu: command not found\n", "Version: unknown\n", "criu 3.18\n"])
+def test_parse_release_without_a_version_line_is_none(text: str) -> None:
+    assert parse_release(text) is None
 
 
 # --- the Debian mirror ----------------------------------------------------------------------------
@@ -154,3 +161,128 @@ def test_os_release_skips_lines_without_equals(tmp_path: Path) -> None:
     path.write_text("garbage\nID=debian\n")
 
     assert os_release(path) == {"ID": "debian"}
+
+
+# --- the private apt ------------------------------------------------------------------------------
+
+
+def test_sources_list_for_binary_packages_by_default() -> None:
+    text = sources_list("http://deb.debian.org/debian", "trixie")
+
+    assert text == "deb http://deb.debian.org/debian trixie main\n"
+
+
+def test_sources_list_for_source_packages() -> None:
+    text = sources_list("http://mirror.example.org/debian", "trixie", kinds=("deb-src",))
+
+    assert text == "deb-src http://mirror.example.org/debian trixie main\n"
+
+
+def test_sources_list_with_both_kinds() -> None:
+    assert sources_list("http://m/debian", "trixie", ("deb", "deb-src")).splitlines() == [
+        "deb http://m/debian trixie main", "deb-src http://m/debian trixie main"]
+
+
+PRINT_URIS = (
+    "'http://deb.debian.org/debian/pool/main/c/criu/criu_4.1.1-1.dsc' criu_4.1.1-1.dsc 2806 "
+    "SHA256:12206f74ab852907156db8fdf1fb2a40ebbc897d28c133a2cbe804fab13f8b62\n"
+    "'http://deb.debian.org/debian/pool/main/c/criu/criu_4.1.1.orig.tar.xz' criu_4.1.1.orig.tar.xz "
+    "1021136 SHA256:f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe\n"
+    "'http://deb.debian.org/debian/pool/main/c/criu/criu_4.1.1-1.debian.tar.xz' "
+    "criu_4.1.1-1.debian.tar.xz 12368 "
+    "SHA256:103855d69544c3417abdb5b309c1773db98af2293c4dc48bba39e244b85c778e\n"
+)
+
+
+def test_parse_source_uris_gives_each_file_with_its_hash() -> None:
+    files = parse_source_uris("NOTICE: 'criu' packaging is maintained in Git\n" + PRINT_URIS)
+
+    assert [name for _, name, _ in files] == [
+        "criu_4.1.1-1.dsc", "criu_4.1.1.orig.tar.xz", "criu_4.1.1-1.debian.tar.xz"]
+    assert files[1] == ("http://deb.debian.org/debian/pool/main/c/criu/criu_4.1.1.orig.tar.xz",
+                        "criu_4.1.1.orig.tar.xz",
+                        "SHA256:f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe")
+
+
+def test_parse_source_uris_skips_a_file_without_a_hash() -> None:
+    line = "'http://m/debian/pool/c/criu_4.1.1.orig.tar.xz' criu_4.1.1.orig.tar.xz 1021136\n"
+
+    assert parse_source_uris(line) == []
+
+
+@pytest.mark.parametrize(("name", "version"), [
+    ("criu_4.1.1.orig.tar.xz", "4.1.1"),
+    ("criu_4.2.orig.tar.gz", "4.2"),
+    ("criu_4.1.1-1.debian.tar.xz", None),
+    ("criu_4.1.1-1.dsc", None),
+    ("crit_4.1.1.orig.tar.xz", None),
+])
+def test_tarball_version(name: str, version: str | None) -> None:
+    assert tarball_version(name) == version
+
+
+# --- the criu patches and the build stamp ---------------------------------------------------------
+
+
+def patch_folder(tmp_path: Path, files: dict[str, str]) -> Path:
+    folder = tmp_path / "criu_patches"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_patches_are_the_patch_files_in_name_order(tmp_path: Path) -> None:
+    folder = patch_folder(tmp_path, {"0010-later.patch": "b", "0002-first.patch": "a", "__init__.py": "",
+                                     "README": "not a patch", "0003-old.patch.orig": "stale"})
+    (folder / "0005-a-folder.patch").mkdir()
+
+    assert criu_patches(folder) == [("0002-first.patch", b"a"), ("0010-later.patch", b"b")]
+
+
+def test_an_empty_patch_folder_gives_no_patches(tmp_path: Path) -> None:
+    assert criu_patches(patch_folder(tmp_path, {"__init__.py": ""})) == []
+
+
+def test_the_stamp_names_the_upstream_version() -> None:
+    assert build_stamp("4.1.1", []).splitlines()[0] == "criu 4.1.1"
+    assert re.fullmatch(r"patches sha256:[0-9a-f]{64}", build_stamp("4.1.1", []).splitlines()[1])
+
+
+def test_the_stamp_changes_with_a_patch() -> None:
+    base = build_stamp("4.1.1", [("0001-a.patch", b"one"), ("0002-b.patch", b"two")])
+    others = [
+        build_stamp("4.1.1", [("0001-a.patch", b"one"), ("0002-b.patch", b"two\n")]),  # contents
+        build_stamp("4.1.1", [("0001-a.patch", b"one"), ("0003-b.patch", b"two")]),  # a name
+        build_stamp("4.1.1", [("0001-a.patch", b"one")]),  # one gone
+        build_stamp("4.1.1", [("0001-a.patch", b"one"), ("0002-b.patch", b"two"), ("0003-c.patch", b"")]),
+        build_stamp("4.1.1", [("0001-a.patch", b"onetwo"), ("0002-b.patch", b"")]),  # bytes moved
+        build_stamp("4.2", [("0001-a.patch", b"one"), ("0002-b.patch", b"two")]),  # the version
+    ]
+
+    assert base not in others
+    assert len(set(others)) == len(others)
+
+
+def test_the_stamp_is_the_same_for_the_same_patches(tmp_path: Path) -> None:
+    folder = patch_folder(tmp_path, {"0002-b.patch": "two", "0001-a.patch": "one"})
+
+    assert build_stamp("4.1.1", criu_patches(folder)) == build_stamp(
+        "4.1.1", [("0002-b.patch", b"two"), ("0001-a.patch", b"one")])
+
+
+def test_the_stamp_changes_when_a_patch_file_changes(tmp_path: Path) -> None:
+    folder = patch_folder(tmp_path, {"0001-a.patch": "--- a/criu/x.c\n+++ b/criu/x.c\n"})
+    before = build_stamp(CRIU_VERSION, criu_patches(folder))
+    (folder / "0001-a.patch").write_text("--- a/criu/x.c\n+++ b/criu/x.c\n@@ -1 +1 @@\n")
+
+    assert build_stamp(CRIU_VERSION, criu_patches(folder)) != before
+
+
+def test_each_project_patch_names_a_test_that_exists() -> None:
+    patches = criu_patches(REPO / "checkpoint" / "criu_patches")
+
+    for name, data in patches:
+        named = re.findall(r"^Tested by (tests/\S+\.py)\.?$", data.decode(), re.M)
+        assert named, f"{name} names no test (`Tested by tests/....py.` before its diff)"
+        assert all((REPO / path).is_file() for path in named), f"{name}: {named}"
