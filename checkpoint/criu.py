@@ -12,6 +12,10 @@ Facts this relies on (verified on Debian 12, kernel 6.18, criu 4.1.1):
   for it, and a restore binds the restoring host's mount at that path (`external_mounts`).
 - Root may lack CAP_SYS_RESOURCE (some VMs and containers drop it); reading another user's limits
   then fails, so criu runs with the criu_prlimit shim preloaded (see shim/criu_prlimit.c).
+- Stock criu dumps a page that forked processes still share copy-on-write once per process (a job's
+  DataLoader workers triple its dump). The installer's criu carries the `--share-cow` patch
+  (criu_patches/): such a page is recorded once, in the parent's image, and restore keeps it shared.
+  The dump asks for it through an RPC configuration file wherever the criu in use knows the option.
 """
 
 from __future__ import annotations
@@ -151,11 +155,72 @@ def frozen_seconds(images_dir: Path) -> float | None:
         return None
 
 
-class Criu:
-    """Dump and restore through pycriu's swrk mode, one criu process per call."""
+SHARE_COW = "share-cow"
+TRACK_WRITES = "track-writes"
+TRACK_INCREMENTAL = "track-incremental"
+PATCHED_OPTIONS = (SHARE_COW, TRACK_WRITES, TRACK_INCREMENTAL)
 
-    def __init__(self, binary: Path):
+
+def supports(binary: Path, option: str) -> bool:
+    """Whether `binary` (criu, or its wrapper) knows `--option`: stock criu refuses the patches'."""
+    try:
+        proc = subprocess.run([str(binary), f"--{option}", "--version"], capture_output=True,
+                              text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0 and "Version" in proc.stdout
+
+
+UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
+UFFD_USER_MODE_ONLY = 1
+UFFD_FEATURES_TRACKING = (1 << 13) | (1 << 15)  # WP_UNPOPULATED | WP_ASYNC (Linux 6.7)
+
+
+def kernel_tracks_writes() -> bool:
+    """Whether this kernel has what the write tracker needs: an asynchronous write-protecting
+    userfaultfd (and with it the PAGEMAP_SCAN ioctl, both Linux 6.7), asked of the kernel itself."""
+    import ctypes
+    import fcntl
+    import struct
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(323 if os.uname().machine == "x86_64" else 282,  # userfaultfd (x86_64, aarch64)
+                      os.O_CLOEXEC | UFFD_USER_MODE_ONLY)
+    if fd < 0:
+        return False
+    try:
+        fcntl.ioctl(fd, UFFDIO_API, bytearray(struct.pack("QQQ", 0xAA, UFFD_FEATURES_TRACKING, 0)))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+class Criu:
+    """Dump and restore through pycriu's swrk mode, one criu process per call.
+
+    `share_cow` and `track_writes`: whether dumps use the patches' options (None: wherever the
+    binary knows them, asked once)."""
+
+    def __init__(self, binary: Path, share_cow: bool | None = None, track_writes: bool | None = None):
         self.binary = binary
+        self._known = {SHARE_COW: share_cow, TRACK_WRITES: track_writes}
+
+    def _knows(self, option: str) -> bool:
+        if self._known[option] is None:
+            self._known[option] = supports(self.binary, option)
+        return bool(self._known[option])
+
+    @property
+    def share_cow(self) -> bool:
+        """Dumps record pages that forked processes still share copy on write once."""
+        return self._knows(SHARE_COW)
+
+    @property
+    def tracks_writes(self) -> bool:
+        """Dumps can arm a write tracker, and later dumps leave unwritten pages to the armed one's."""
+        return self._knows(TRACK_WRITES)
 
     def _client(self):
         try:
@@ -170,13 +235,27 @@ class Criu:
         return pycriu, client
 
     def dump(self, pid: int, images_dir: Path, leave_running: bool = False,
-             external: dict[str, str] | None = None) -> DumpResult:
+             external: dict[str, str] | None = None, arm: bool = False, incremental: bool = False
+             ) -> DumpResult:
         """Dump the tree of `pid`; `external`: its mounts that criu records by key, not content
-        (see external_mounts)."""
+        (see external_mounts). `arm`: leave each process a write tracker (a periodic dump);
+        `incremental`: pages not written since the last armed dump are PE_PARENT holes, which
+        `incremental.compose` fills from that dump's checkpoint. Both need `tracks_writes`."""
+        if (arm or incremental) and not self.tracks_writes:
+            raise CheckpointError(f"{self.binary} runs a criu without the track-writes patch; "
+                                  "reinstall with `singularityctl devcluster up` or `make install`")
         pycriu, client = self._client()
         images_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(images_dir, os.O_DIRECTORY)
+        conf = images_dir.with_name(f".{images_dir.name}.criu.conf")
+        options = [o for o, on in ((SHARE_COW, self.share_cow), (TRACK_WRITES, arm),
+                                   (TRACK_INCREMENTAL, incremental)) if on]
         try:
+            if options:
+                # criu's RPC has no fields for the patches' options: a configuration file of the
+                # caller's (root's, beside the images) carries them
+                conf.write_text("".join(f"{option}\n" for option in options))
+                client.opts.config_file = str(conf.absolute())
             client.opts.images_dir_fd = fd
             client.opts.pid = pid
             client.opts.leave_running = leave_running
@@ -193,6 +272,7 @@ class Criu:
                 ) from exc
         finally:
             os.close(fd)
+            conf.unlink(missing_ok=True)
         return DumpResult(images_dir, pid, leave_running)
 
     def restore(self, images_dir: Path, check: Callable[[int], str | None] | None = None,

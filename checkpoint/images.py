@@ -7,10 +7,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from singularity_slurm.errors import CheckpointError
+
+from . import incremental
+from .manifest import DIGEST
 from .store import CheckpointStore, Manifest
 
-PAGE_SIZE = 4096
-PE_PARENT, PE_PRESENT = 1, 4
+PAGE_SIZE, PE_PARENT, PE_PRESENT, PE_COW = (incremental.PAGE_SIZE, incremental.PE_PARENT,
+                                            incremental.PE_PRESENT, incremental.PE_COW)
 
 
 def pages_boundaries(images_dir: Path) -> dict[str, list[int]]:
@@ -42,24 +48,85 @@ def pages_boundaries(images_dir: Path) -> dict[str, list[int]]:
 
 def upload(store: CheckpointStore, job_id: int, images_dir: Path, reason: str,
            meta: Mapping[str, Any], extra: Mapping[str, Path] | None = None,
-           fault: Callable[[], None] | None = None) -> Manifest:
+           fault: Callable[[], None] | None = None, base: Manifest | None = None) -> Manifest:
     """Store a CRIU image folder (and `extra` files: checkpoint path -> source) as one checkpoint.
 
     Nothing is visible until every file is stored and the manifest is committed. `fault` runs once
-    the first file is stored (a test's fault point: the write is then half done).
+    the first file is stored (a test's fault point: the write is then half done). An incremental
+    dump's holes are filled from `base`, the checkpoint of the dump that armed its write tracker
+    (see checkpoint.incremental): what is committed is complete without it.
     """
     boundaries = pages_boundaries(images_dir)
-    with store.begin(job_id, reason=reason, meta=dict(meta)) as writer:
+    composed = compose_dump(store, images_dir, base)
+    meta = dict(meta)
+    if composed:
+        meta["incremental"] = {"base": base.seq if base else None,
+                               "pages_taken": sum(c.base_pages for c in composed.values()),
+                               "pages_dumped": sum(c.new_pages for c in composed.values())}
+    pages_of = {f"pages-{c.pagemap.pages_id}.img": c for c in composed.values()}
+    with store.begin(job_id, reason=reason, meta=meta) as writer:
         for path in sorted(images_dir.rglob("*")):
             if path.is_file():
                 rel = path.relative_to(images_dir).as_posix()
-                writer.add_file(f"images/{rel}", path, boundaries=boundaries.get(path.name))
+                if path.name in composed:
+                    writer.add_bytes(f"images/{rel}", incremental.encode_pagemap(composed[path.name].pagemap),
+                                     mode=path.stat().st_mode)
+                elif path.name in pages_of:
+                    writer.add_composed(f"images/{rel}", path, pages_of[path.name].segments,
+                                        chunk=PAGE_SIZE, mode=path.stat().st_mode)
+                else:
+                    writer.add_file(f"images/{rel}", path, boundaries=boundaries.get(path.name))
                 if fault is not None:
                     fault()
                     fault = None
         for rel, path in (extra or {}).items():
             writer.add_file(rel, path)
         return writer.commit()
+
+
+def compose_dump(store: CheckpointStore, images_dir: Path, base: Manifest | None
+                 ) -> dict[str, incremental.Composed]:
+    """For each pagemap of the dump that has holes (by file name): the pagemap and pages image to
+    store instead, filled from `base`. CheckpointError where `base` cannot fill them."""
+    holed = {}
+    for path in sorted(images_dir.glob("pagemap-*.img")):
+        pagemap = incremental.parse_pagemap(path.read_bytes())
+        if pagemap.holes:
+            holed[path.name] = pagemap
+    if not holed:
+        return {}
+    try:
+        if base is None:
+            raise incremental.IncompleteBase("no base checkpoint was given")
+        tables = base_tables(store, base)
+        return {name: incremental.compose(pagemap, tables.get(_pid(name)))
+                for name, pagemap in holed.items()}
+    except incremental.IncompleteBase as exc:
+        where = f"checkpoint {base.seq}" if base else "an earlier checkpoint"
+        raise CheckpointError(f"the dump in {images_dir} leaves unwritten pages to {where}, which "
+                              f"cannot supply them: {exc}; checkpoint again (the next dump is a full "
+                              "one)") from exc
+
+
+def _pid(pagemap_name: str) -> int:
+    return int(pagemap_name[len("pagemap-"):-len(".img")])
+
+
+def base_tables(store: CheckpointStore, base: Manifest) -> dict[int, incremental.Pages]:
+    """Where every page of every process of a stored checkpoint is (its pagemaps and chunk lists)."""
+    pagemaps, digests = {}, {}
+    for entry in base.files:
+        name = entry.path.removeprefix("images/")
+        if re.fullmatch(r"pagemap-\d+\.img", name):
+            pagemaps[_pid(name)] = incremental.parse_pagemap(store.file_bytes(base, entry.path))
+        elif match := re.fullmatch(r"pages-(\d+)\.img", name):
+            if (entry.length_array() != PAGE_SIZE).any():
+                raise incremental.IncompleteBase(f"its {name} is not stored a page a chunk")
+            digests[int(match[1])] = entry.digest_array()
+    ppids = incremental.parse_ppids(store.file_bytes(base, "images/pstree.img"))
+    for pagemap in pagemaps.values():
+        digests.setdefault(pagemap.pages_id, np.empty(0, DIGEST))
+    return incremental.base_pages(pagemaps, digests, ppids)
 
 
 def download(store: CheckpointStore, manifest: Manifest, dest: Path) -> Path:

@@ -521,6 +521,17 @@ class CheckpointStore:
             yield view
             i = j
 
+    def file_bytes(self, manifest: Manifest, path: str) -> bytes:
+        """One (small) file of a checkpoint, every chunk verified."""
+        entry = next((f for f in manifest.files if f.path == path), None)
+        if entry is None:
+            raise CorruptCheckpoint(manifest.job_id, manifest.seq, f"it has no file {path}", path=path)
+        with self.job_lock(manifest.job_id, exclusive=False):
+            try:
+                return b"".join(self._file_data(manifest, entry, self.pack_index(manifest.job_id)))
+            finally:
+                self._close_packs()
+
     def verify(self, manifest: Manifest) -> None:
         """Read every chunk and check its length and hash; CorruptCheckpoint names the first bad one."""
         with self.job_lock(manifest.job_id, exclusive=False):
@@ -1051,6 +1062,50 @@ class CheckpointWriter:
                 self._store(data, start, offsets[i:j], lengths[i:j], digests)
                 i = j
         return self._record(path, stat.S_IMODE(info.st_mode), info.st_size, digests, lengths)
+
+    def add_composed(self, relpath: str, source_path: str | os.PathLike[str],
+                     segments: Sequence[tuple[int, int] | np.ndarray], *, chunk: int, mode: int = 0o600
+                     ) -> FileEntry:
+        """Store a file made of `segments` in order: (first, count) takes `count` chunks of `chunk`
+        bytes from `source_path` at chunk `first`, an array takes the chunks with those digests
+        that the store holds already (a base checkpoint's), none of whose bytes are read."""
+        path = self._check_new_path(relpath)
+        digests, lengths = bytearray(), []
+        try:
+            source = open(source_path, "rb", buffering=0)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {source_path} to store it as {path}: {exc}") from exc
+        with source:
+            size = os.fstat(source.fileno()).st_size
+            for segment in segments:
+                if isinstance(segment, tuple):
+                    first, count = segment
+                    if (first + count) * chunk > size:
+                        raise CheckpointError(f"{source_path} holds {size} bytes, fewer than the "
+                                              f"{(first + count) * chunk} its pagemap names")
+                    for at in range(first, first + count, READ_BLOCK // chunk):
+                        n = min(READ_BLOCK // chunk, first + count - at)
+                        data = os.pread(source.fileno(), n * chunk, at * chunk)
+                        if len(data) != n * chunk:
+                            raise CheckpointError(f"{source_path} shrank while it was being stored")
+                        offsets = np.arange(n, dtype=np.int64) * chunk
+                        self._store(data, 0, offsets, np.full(n, chunk, np.int64), digests)
+                else:
+                    self._reference(path, segment, chunk)
+                    digests += segment.tobytes()
+                lengths.append(segment[1] if isinstance(segment, tuple) else len(segment))
+        count = sum(lengths)
+        return self._record(path, mode & 0o7777, count * chunk, digests, np.full(count, chunk, np.int64))
+
+    def _reference(self, path: str, digests: np.ndarray, chunk: int) -> None:
+        """Chunks this checkpoint takes from others: the store must hold every one at its length."""
+        found = self._index.find(digests, np.full(len(digests), chunk, np.int64))
+        if (found < 0).any():
+            missing = digests[np.flatnonzero(found < 0)[0]].tobytes().hex()
+            raise CheckpointError(f"chunk {missing} of {path}, which this checkpoint takes from an "
+                                  f"earlier one of job {self.job_id}, is no longer in the store; "
+                                  "checkpoint again (the next dump is a full one)")
+        self._used[self._index.pack[found]] = True
 
     def add_bytes(self, relpath: str, data: bytes, *, mode: int = 0o644,
                   boundaries: Sequence[int] | None = None) -> FileEntry:

@@ -155,6 +155,9 @@ class CheckpointEngine:
         self.devices: list[int] = []
         self.gpus: list[int] = []  # the job's GPUs on this node, as Slurm numbers them (the Prolog's)
         self.gpu: int | None = None  # a rank's tree: the GPU of the proxy serving it (its placement's)
+        # The tree's checkpoint whose dump armed criu's write trackers, while they still say what was
+        # written since it (see checkpoint.incremental): the next dump leaves the rest to it.
+        self.track_base: Manifest | None = None
 
     def for_tree(self, tree: int, rank: bool = False, gpu: int | None = None) -> CheckpointEngine:
         """This engine for one of the job's process trees: a rank of a `--world-size` job (`rank`,
@@ -173,6 +176,7 @@ class CheckpointEngine:
         root = self.config.paths.store_root
         engine.store = job_store(root if tree == 0 or rank else root / "ranks" / str(tree))
         engine.devices = []
+        engine.track_base = None
         return engine
 
     def mine(self, run: str | None) -> Callable[[Manifest], bool]:
@@ -236,6 +240,7 @@ class CheckpointEngine:
         """Start the tree (in the job's `cgroups` before it runs anything); (init pid, waiter)."""
         proc = jobtree.spawn(spec, cgroup_procs=jobcgroup.procs_files(cgroups or []))
         self.devices = []
+        self.track_base = None
         init_pid = jobtree.namespace_init(proc.pid)
         try:  # for the Epilog, which ends the tree should the agent be killed first
             services.note_tree(self.run_dir, init_pid, parent=proc.pid)
@@ -270,6 +275,7 @@ class CheckpointEngine:
             summary = self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started,
                                        size, cut_seconds)
         except Exception as exc:
+            self.track_base = None  # whatever the trackers say now is relative to no committed dump
             error = str(exc)
             self._index(lambda registry: registry.record_failure(job_id, self.node, reason, error))
             raise
@@ -343,7 +349,12 @@ class CheckpointEngine:
         faults.point(self.config, "dump", self.node)
         external = self._external_mounts(init_pid)
         with self._gpu_state_out(init_pid, stop) as gpu_meta:
-            self.criu.dump(init_pid, work, leave_running=not stop, external=external)
+            # Devices write to pinned host memory without faulting, which a write tracker cannot see:
+            # a tree with CUDA processes is dumped whole every time.
+            track = self.criu.tracks_writes and not gpu_meta
+            base, self.track_base = (self.track_base if track else None), None
+            self.criu.dump(init_pid, work, leave_running=not stop, external=external,
+                           arm=track and not stop, incremental=base is not None)
         dumped = time.monotonic()
         frozen = frozen_seconds(work)
         devices = anondev.history(self.devices, anondev.checkpoint_devices(work))
@@ -359,10 +370,12 @@ class CheckpointEngine:
                     "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
                     "anon_devs": devices, **({"placement": size} if size else {}),
                     **({"external_mounts": external} if external else {}), **gpu_meta,
-                }, local.entries)
+                }, local.entries, base)
         finally:
             shutil.rmtree(copies, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
+        if track and not stop:
+            self.track_base = manifest
         localfiles.tell_job(creds, output, local.notices, f"{NOTICE}checkpoint {manifest.seq}: ")
         faults.point(self.config, "commit", self.node)  # committed, not yet answered (nor requeued)
         summary = summarize(manifest, time.monotonic() - started)
@@ -433,8 +446,8 @@ class CheckpointEngine:
             LOG.error("job tree's CUDA processes %s could not resume on their GPUs: %s", tasks, exc)
 
     def _upload(self, job_id: int, work: Path, reason: str, meta: dict[str, Any],
-                extra: dict[str, Path]) -> Manifest:
-        return images.upload(self.store, job_id, work, reason, meta, extra=extra,
+                extra: dict[str, Path], base: Manifest | None = None) -> Manifest:
+        return images.upload(self.store, job_id, work, reason, meta, extra=extra, base=base,
                              fault=lambda: faults.point(self.config, "store-write", self.node))
 
     def _index(self, action: Callable[[Registry], None]) -> None:
@@ -461,6 +474,7 @@ class CheckpointEngine:
         """
         started = time.monotonic()
         self._check_trusted(job_id)
+        self.track_base = None  # a restored tree has no write trackers
         creds = UserCreds.of_uid(uid)
         refused: list[Any] = []
         tried: set[int] = set()

@@ -49,6 +49,8 @@ class Facts:
     criu_path: str | None = None
     criu_version: tuple[int, int] | None = None
     criu_check: str = ""
+    criu_options: dict[str, bool] = field(default_factory=dict)  # the patches' options it knows
+    kernel_tracks_writes: bool = False  # asynchronous write-protecting userfaultfd (Linux 6.7)
     pycriu: bool = False
     node_files: dict[str, bool] = field(default_factory=dict)  # "criu wrapper" -> exists
     redis_error: str | None = "not checked"
@@ -188,6 +190,19 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
         add(Result("criu check", "Looks good" in facts.criu_check,
                    facts.criu_check.strip().splitlines()[-1] if facts.criu_check.strip() else "no output",
                    f"run `{facts.criu_path} check` as root and fix what it reports"))
+        lacking = sorted(o for o, known in facts.criu_options.items() if not known)
+        add(Result("criu patches", bool(facts.criu_options) and not lacking,
+                   "knows --" + ", --".join(sorted(facts.criu_options)) if not lacking else
+                   "lacks --" + ", --".join(lacking) + ": forked processes' shared memory is dumped once "
+                   "per process, and every dump reads every page",
+                   "install the criu the installer builds from Debian's source with "
+                   "checkpoint/criu_patches (`singularityctl devcluster up` on a dev cluster)"))
+        add(Result("dirty tracking", facts.kernel_tracks_writes,
+                   "userfaultfd write-protect (asynchronous) and PAGEMAP_SCAN: a dump after a periodic "
+                   "one reads only the pages written since" if facts.kernel_tracks_writes else
+                   "this kernel has no asynchronous write-protecting userfaultfd: every dump reads and "
+                   "stores every page",
+                   "run Linux 6.7 or newer built with CONFIG_USERFAULTFD and CONFIG_PTE_MARKER_UFFD_WP"))
     for name, present in sorted(facts.node_files.items()):
         add(Result(name, present, "present" if present else "missing",
                    "run `singularityctl admin install-node` on the compute nodes"))
@@ -257,6 +272,11 @@ def gather(config: Config, slurm: SlurmClient) -> Facts:
             facts.criu_version = None
         check = subprocess.run([facts.criu_path, "check"], capture_output=True, text=True)
         facts.criu_check = check.stdout + check.stderr
+        from singularity_slurm.checkpoint import criu
+
+        facts.criu_options = {option: criu.supports(Path(facts.criu_path), option)
+                              for option in criu.PATCHED_OPTIONS}
+        facts.kernel_tracks_writes = criu.kernel_tracks_writes()
     facts.pycriu = importlib.util.find_spec("pycriu") is not None
     from singularity_slurm.checkpoint.criu import filelog_shim_path, wrapper_path
 

@@ -69,6 +69,8 @@ def good_facts(version: SlurmVersion = V2205, config: Config = CONFIG) -> Facts:
         criu_path=CRIU,
         criu_version=(4, 1),
         criu_check="Warn  (criu/kerndat.c:1): something optional\nLooks good.\n",
+        criu_options={"share-cow": True, "track-writes": True, "track-incremental": True},
+        kernel_tracks_writes=True,
         pycriu=True,
         redis_error=None,
         redis_requires_auth=True,
@@ -104,7 +106,7 @@ ALL_NAMES_2205 = [
     "partition standard (tier standard) GraceTime",
     "partition basic (tier basic) PreemptMode", "partition basic (tier basic) GraceTime",
     "tier priorities", "job_submit.lua", "cli_filter.lua", "SPANK plugin", "criu version",
-    "criu check", "pycriu", "redis", "redis auth",
+    "criu check", "criu patches", "dirty tracking", "pycriu", "redis", "redis auth",
 ]
 
 
@@ -470,3 +472,17 @@ def test_results_json_keeps_every_field() -> None:
         {"name": "a", "ok": False, "detail": "b", "fix": "c"},
         {"name": "d", "ok": True, "detail": "e", "fix": ""},
     ]
+
+
+def test_a_stock_criu_is_named_with_what_it_costs_and_how_to_get_the_patched_one() -> None:
+    failed = only_failure(dataclasses.replace(good_facts(), criu_options={
+        "share-cow": False, "track-writes": False, "track-incremental": False}))
+    assert failed.name == "criu patches"
+    assert "lacks --share-cow, --track-incremental, --track-writes" in failed.detail
+    assert "criu_patches" in failed.fix
+
+
+def test_a_kernel_without_asynchronous_write_protect_says_every_dump_reads_every_page() -> None:
+    failed = only_failure(dataclasses.replace(good_facts(), kernel_tracks_writes=False))
+    assert failed.name == "dirty tracking" and "every dump reads and stores every page" in failed.detail
+    assert "6.7" in failed.fix

@@ -175,3 +175,35 @@ def test_criu_runs_with_exactly_the_shim_preloaded_whatever_its_callers_environm
     assert sorted(proc.stdout.splitlines()) == sorted([
         "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C", "LD_PRELOAD=/opt/s/lib/criu_prlimit.so",
         "PWD=" + os.getcwd(), "args: swrk 3"])
+
+
+def _fake_criu(tmp_path: Path, knows: tuple[str, ...]) -> Path:
+    """A criu that answers --version only after options it knows (as criu's getopt does)."""
+    binary = tmp_path / "criu"
+    cases = "".join(f"    --{option}) ;;\n" for option in knows)
+    binary.write_text("#!/bin/sh\nfor a in \"$@\"; do\n  case \"$a\" in\n"
+                      "    --version) echo 'Version: 4.1.1'; exit 0 ;;\n"
+                      f"{cases}    *) echo \"criu: unrecognized option '$a'\" >&2; exit 1 ;;\n"
+                      "  esac\ndone\n")
+    binary.chmod(0o755)
+    return binary
+
+
+def test_the_patched_options_are_used_where_the_criu_knows_them(tmp_path: Path) -> None:
+    from singularity_slurm.checkpoint.criu import Criu
+
+    patched = Criu(_fake_criu(tmp_path, ("share-cow", "track-writes", "track-incremental")))
+    assert patched.share_cow and patched.tracks_writes
+    (tmp_path / "stock").mkdir()
+    stock = Criu(_fake_criu(tmp_path / "stock", ()))
+    assert not stock.share_cow and not stock.tracks_writes
+
+
+def test_a_tracked_dump_with_a_criu_that_cannot_track_is_refused_before_criu_runs(tmp_path: Path) -> None:
+    from singularity_slurm.checkpoint.criu import Criu
+    from singularity_slurm.errors import CheckpointError
+
+    stock = Criu(_fake_criu(tmp_path, ()))
+    with pytest.raises(CheckpointError, match="without the track-writes patch"):
+        stock.dump(1, tmp_path / "images", leave_running=True, arm=True)
+    assert not (tmp_path / "images").exists()
