@@ -50,6 +50,7 @@ from enum import StrEnum
 from pathlib import Path
 
 import click
+import numpy as np
 import xxhash
 
 from singularity_slurm import config as config_mod
@@ -57,6 +58,7 @@ from singularity_slurm.errors import SingularityError
 from singularity_slurm.slurmcli import SlurmClient
 
 POLL_S = 0.1
+CHANGED_ALLOWANCE_S = 0.3  # what a checkpoint after a periodic one may cost beyond 3x its changed bytes
 TERMINAL = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL",
                       "DEADLINE", "OUT_OF_MEMORY", "PREEMPTED"})
 TERMINAL_GRACE_S = 20.0  # a requeue may pass through an end state; only one that lasts counts
@@ -285,6 +287,9 @@ class Result:
     floor_all_s: float | None = None  # copy + xxh3 + durable write of the checkpoint's bytes
     floor_stored_s: float | None = None  # the same for the bytes it newly stored
     floor_restore_s: float | None = None  # read the checkpoint's bytes back and write them again
+    floor_unique_s: float | None = None  # copy + xxh3 + durable write of the job's PSS
+    changed_mib: float | None = None  # pages whose content differs from the checkpoint before (counted here)
+    floor_changed_s: float | None = None  # copy + xxh3 + durable write of those pages
     note: str = ""
 
 
@@ -356,8 +361,11 @@ COLUMNS: list[tuple[str, Callable[[Result], str]]] = [
     ("running -> first step s", lambda r: _num(r.first_step_s)),
     ("running -> new progress s", lambda r: _num(r.progress_s)),
     ("steps lost", lambda r: _num(r.steps_lost, 0)),
-    ("floor: all / stored / restore s", lambda r: "n/a" if r.floor_all_s is None else
-     f"{_num(r.floor_all_s, 2)} / {_num(r.floor_stored_s, 2)} / {_num(r.floor_restore_s, 2)}"),
+    ("changed MiB", lambda r: _num(r.changed_mib)),
+    ("floor: unique / changed / restore s", lambda r: "n/a" if r.floor_unique_s is None else
+     f"{_num(r.floor_unique_s, 2)} / {_num(r.floor_changed_s, 2)} / {_num(r.floor_restore_s, 2)}"),
+    ("floor: all / stored s", lambda r: "n/a" if r.floor_all_s is None else
+     f"{_num(r.floor_all_s, 2)} / {_num(r.floor_stored_s, 2)}"),
     ("note", lambda r: r.note),
 ]
 
@@ -376,6 +384,15 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x ({a:.1f} / {b:.1f})"
 
 
+def changed_target(r: Result) -> str:
+    """A checkpoint after a periodic one against its target: 3 x the floor of its changed bytes + 0.3 s."""
+    limit = 3 * r.floor_changed_s + CHANGED_ALLOWANCE_S
+    verdict = "n/a" if r.stop_s is None else "within" if r.stop_s <= limit else "over"
+    return (f", against 3 x the floor of its {_num(r.changed_mib)} MiB changed since the checkpoint "
+            f"before + {CHANGED_ALLOWANCE_S} s = {limit:.2f} s: {_num(r.stop_s)} s, {verdict} "
+            f"({ratio(r.stop_s, r.floor_changed_s)} the floor)")
+
+
 def format_ratios(rows: Sequence[Result]) -> list[str]:
     """Ratios between rows of the same run: on a shared machine they travel better than seconds."""
     ours = {r.ballast_mib: r for r in rows if r.workload == SINGULARITY}
@@ -386,9 +403,12 @@ def format_ratios(rows: Sequence[Result]) -> list[str]:
         if r.floor_all_s is None:
             continue
         lines.append(f"- Singularity at {ballast} MiB against the machine's floor: warning -> stopped / "
-                     f"floor of all {_num(r.checkpoint_mib)} MiB {ratio(r.stop_s, r.floor_all_s)}, / floor "
-                     f"of the {_num(r.stored_mib)} MiB stored {ratio(r.stop_s, r.floor_stored_s)}; running "
-                     f"-> first step / restore floor {ratio(r.first_step_s, r.floor_restore_s)}")
+                     f"floor of the job's {_num(r.pss_mib)} MiB unique bytes (PSS) "
+                     f"{ratio(r.stop_s, r.floor_unique_s)}"
+                     + (changed_target(r) if r.floor_changed_s is not None else "")
+                     + f"; / floor of all {_num(r.checkpoint_mib)} MiB {ratio(r.stop_s, r.floor_all_s)}, / "
+                     f"floor of the {_num(r.stored_mib)} MiB stored {ratio(r.stop_s, r.floor_stored_s)}; "
+                     f"running -> first step / restore floor {ratio(r.first_step_s, r.floor_restore_s)}")
     for ballast in sorted(set(ours) & set(theirs)):
         s, t = ours[ballast], theirs[ballast]
         lines.append(f"- ballast {ballast} MiB, Singularity / {t.workload}: running -> new progress "
@@ -420,10 +440,14 @@ DEFINITIONS = [
     "bytes); for torch.save the size of its file",
     "times are taken by the benchmark polling every 0.1 s: about 0.1-0.2 s resolution; compare rows "
     "of one run, not runs on different days or machines",
-    "floor: what the checkpoint's bytes cost at least on this machine, measured right after the run: "
-    "copy in memory, xxh3-128 per 4 KiB page, write and fsync into the store's filesystem (all: every "
-    "byte of the checkpoint; stored: the bytes it newly stored); restore: read them back and write "
-    "them again",
+    "floor: what bytes cost at least on this machine, measured right after the run: copy in memory, "
+    "xxh3-128 per 4 KiB page, write and fsync into the store's filesystem (unique: the job's PSS, the "
+    "bytes it owns; changed: the pages whose content differs from the checkpoint before, counted here "
+    "from the two checkpoints' page contents, not from the tool's own tracking; all: every byte of the "
+    "checkpoint; stored: the bytes it newly stored); restore: read the checkpoint's bytes back and "
+    "write them again",
+    f"targets: a first checkpoint's warning -> stopped within 2x the floor of the unique bytes; one "
+    f"after a periodic checkpoint within 3x the floor of the changed bytes + {CHANGED_ALLOWANCE_S} s",
 ]
 
 
@@ -494,10 +518,10 @@ FLOOR_BLOCK = 64 << 20
 PAGE = 4096
 
 
-def floor_seconds(total_mib: float, stored_mib: float, folder: Path) -> tuple[float, float, float]:
-    """(all, stored, restore): what copying, hashing (xxh3-128 per page) and durably writing
-    `total_mib` and `stored_mib` MiB cost on this machine, and reading `total_mib` back and writing
-    it again. The bytes are random, so no filesystem or cache can shortcut them."""
+def floor_seconds(total_mib: float, stored_mib: float, folder: Path, *others: float) -> tuple[float, ...]:
+    """(all, stored, restore, *others): what copying, hashing (xxh3-128 per page) and durably writing
+    `total_mib` and `stored_mib` MiB cost on this machine, reading `total_mib` back and writing it
+    again, and writing each of `others` MiB. The bytes are random, so no cache can shortcut them."""
     block = os.urandom(FLOOR_BLOCK)
     target, copy = folder / f".floor-{os.getpid()}", folder / f".floor-{os.getpid()}.restored"
 
@@ -522,10 +546,39 @@ def floor_seconds(total_mib: float, stored_mib: float, folder: Path) -> tuple[fl
         with open(target, "rb") as source, open(copy, "wb") as out:
             while data := source.read(FLOOR_BLOCK):
                 out.write(data)
-        return everything, stored, time.perf_counter() - started
+        restore = time.perf_counter() - started
+        return (everything, stored, restore, *(write(mib) for mib in others))
     finally:
         target.unlink(missing_ok=True)
         copy.unlink(missing_ok=True)
+
+
+def changed_mib(store_root: Path, job: int) -> float | None:
+    """MiB of process memory whose content changed between the job's last two checkpoints (the
+    periodic one and the preemption's): pages, by process and address, whose chunk differs or that
+    the earlier checkpoint lacks. Counted from the checkpoints' contents, so whatever criu's own
+    tracking claims, a page that changed counts."""
+    from singularity_slurm.checkpoint import images
+    from singularity_slurm.node.engine import job_store
+
+    store = job_store(store_root)
+    seqs = store.seqs(job)
+    if len(seqs) < 2:
+        return None
+    before, after = (images.base_tables(store, store.read(job, seq)) for seq in seqs[-2:])
+    changed = 0
+    for pid, pages in after.items():
+        old = before.get(pid)
+        if old is None:
+            changed += len(pages.vaddrs)
+            continue
+        where = np.searchsorted(old.vaddrs, pages.vaddrs)
+        inside = where < len(old.vaddrs)
+        same = np.zeros(len(pages.vaddrs), bool)
+        same[inside] = ((old.vaddrs[where[inside]] == pages.vaddrs[inside])
+                        & (old.digests[where[inside]] == pages.digests[inside]))
+        changed += int((~same).sum())
+    return changed * PAGE / 2**20
 
 
 def training_script(kind: str, ballast: int, s: Settings) -> str:
@@ -651,12 +704,18 @@ class Bench:
                       periodic_s=track.periodic_s, note=note)
         result = measure(base, track.seen, track.log, track.premium_at)
         if kind == SINGULARITY and self.s.floor_dir and result.checkpoint_mib:
+            changed = changed_mib(Path(self.s.floor_dir), job) if self.s.periodic_at and job else None
+            result = replace(result, changed_mib=None if changed is None else round(changed, 1))
             self.say(f"{label}, ballast {ballast} MiB: measuring the floor for "
-                     f"{result.checkpoint_mib:.0f} MiB ({result.stored_mib:.0f} MiB stored)")
-            every, stored, restore = floor_seconds(result.checkpoint_mib, result.stored_mib or 0.0,
-                                                   Path(self.s.floor_dir))
+                     f"{result.checkpoint_mib:.0f} MiB ({result.stored_mib:.0f} MiB stored, PSS "
+                     f"{result.pss_mib or 0:.0f} MiB, {'n/a' if changed is None else f'{changed:.0f}'} "
+                     "MiB changed)")
+            every, stored, restore, unique, *rest = floor_seconds(
+                result.checkpoint_mib, result.stored_mib or 0.0, Path(self.s.floor_dir),
+                result.pss_mib or 0.0, *([changed] if changed is not None else []))
             result = replace(result, floor_all_s=round(every, 3), floor_stored_s=round(stored, 3),
-                             floor_restore_s=round(restore, 3))
+                             floor_restore_s=round(restore, 3), floor_unique_s=round(unique, 3),
+                             floor_changed_s=round(rest[0], 3) if rest else None)
         return result
 
     def checkpoint_now(self, job: int, track: Tracking) -> None:
