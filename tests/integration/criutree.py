@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from singularity_slurm.node import jobcgroup
@@ -95,6 +95,7 @@ def running_tree(user: pwd.struct_passwd, mib: int) -> Iterator[Tree]:
         yield tree
     finally:
         for pid in jobcgroup.tree(unshare.pid):
-            os.kill(pid, signal.SIGKILL)
+            with suppress(ProcessLookupError):  # gone with the namespace's init, killed just before
+                os.kill(pid, signal.SIGKILL)
         unshare.wait(timeout=30)
         shutil.rmtree(folder, ignore_errors=True)
