@@ -308,3 +308,64 @@ def test_an_fd_whose_path_was_swapped_for_a_root_file_is_not_restored(jobs, job_
     assert "the restored processes would hold what the job's user may not open" in text, text
     assert f"on {victims['root']}: the job's user (uid {job_user.pw_uid}) may not read it" in text
     assert "done" in text
+
+
+WATCHER = """
+import ctypes, os, struct, time
+libc = ctypes.CDLL(None, use_errno=True)
+folder = os.path.join(os.getcwd(), "watched")
+if os.path.islink(folder):
+    os.unlink(folder)
+os.makedirs(folder, exist_ok=True)
+fd = libc.inotify_init1(os.O_NONBLOCK)
+assert fd >= 0 and libc.inotify_add_watch(fd, folder.encode(), 0x100) >= 0  # IN_CREATE
+for step in range(80):
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        data = b""
+    names = []
+    while data:
+        _, _, _, size = struct.unpack_from("iIII", data)
+        names.append(data[16:16 + size].rstrip(b"\\0").decode())
+        data = data[16 + size:]
+    print("step", step, "created:", names, flush=True)
+    time.sleep(0.25)
+print("done", flush=True)
+"""
+
+
+def test_a_watch_whose_folder_was_swapped_for_another_users_private_folder_is_not_restored(
+        jobs, job_user, other_user, config):
+    """CRIU re-adds an inotify watch by its recorded path, as root: a folder the job watched, made a
+    symlink to jobuser2's 0700 folder while the job was checkpointed, would have told the restored
+    job the names of the files jobuser2 makes there."""
+    private = Path(f"/tmp/sec-private-{uuid.uuid4().hex[:8]}")
+    private.mkdir(mode=0o700)
+    os.chown(private, other_user.pw_uid, other_user.pw_gid)
+    try:
+        jobs.script("job.py", WATCHER)
+        job_id = jobs.submit(jobs.script("job.sh", JOB.format(args="")))
+        log = jobs.wait_for_file("job.out")
+        _wait_text(jobs, job_id, log, "step 4 ")
+        watched = jobs.workdir / "watched"
+
+        proc = run_as(job_user.pw_name, [CTL, "migrate", str(job_id), "--no-wait"])
+        assert proc.returncode == 0, proc.stderr
+        _new_checkpoint(config, job_id, 0)
+        swap = run_as(job_user.pw_name, ["sh", "-c", f"rm -rf {watched} && ln -s {private} {watched}"])
+        assert swap.returncode == 0, swap.stderr
+        _wait_text(jobs, job_id, log, "restart 1: restoring")
+        secret = run_as(other_user.pw_name, ["touch", str(private / "SECRET-NAME")])
+        assert secret.returncode == 0, secret.stderr
+        _agent_answers(job_id, job_user.pw_name)
+        jobs.wait_state(job_id, "COMPLETED", timeout=180)
+
+        text = log.read_text()
+        assert "SECRET-NAME" not in text, "the restored job saw a file made in jobuser2's private folder"
+        assert "the restored processes would hold what the job's user may not open" in text, text
+        assert f"(a watch) on {private}: the job's user (uid {job_user.pw_uid}) may not read it" in text, text
+        assert "no committed checkpoint: starting from the beginning" in text
+        assert text.count("step 0 ") == 2 and "done" in text
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
