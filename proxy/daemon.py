@@ -437,7 +437,7 @@ class Proxy:
                         old, session.region = session.region, region
                         wire.send(sock, {"ok": True, "bytes": region.size}, [region.fd])
                         if old is not None:
-                            old.close()
+                            old.release()
                     elif op == "map_gpu":
                         buffer, fd = self._map_gpu(session, message)
                         try:
@@ -463,7 +463,7 @@ class Proxy:
         finally:
             sock.close()
             if session.region is not None:
-                session.region.close()
+                session.region.release()
             self._free_gpu(session)
             if session.process is not None:
                 with self.swap_lock:  # a rank parked at a cut comes back; one that left may hold memory on

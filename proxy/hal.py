@@ -56,6 +56,18 @@ class Region:
     def array(self, dtype: str, count: int, offset: int = 0) -> np.ndarray:
         return np.frombuffer(self.map, dtype=dtype_of(dtype), count=count, offset=offset)
 
+    def release(self) -> None:
+        """Close it and free its pages, though the worker still holds the memfd: pages the proxy
+        wrote there (results) would otherwise stay resident on the proxy's account, outside the
+        job's cgroups, for as long as the worker keeps the descriptor. The worker has moved to a new
+        region (or gone) by then; it reads zeros should it look at this one again."""
+        if self.fd >= 0:
+            try:
+                punch_hole(self.fd, self.size)
+            except OSError:
+                pass  # a file system without hole punching: the pages go with the last descriptor
+        self.close()
+
     def close(self) -> None:
         try:
             self.map.close()
@@ -80,6 +92,20 @@ def dtype_of(name: str) -> np.dtype:
         return DTYPES[name]
     except KeyError:
         raise BackendError(f"dtype {name!r} not supported; supported: {', '.join(DTYPES)}") from None
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(fd: int, size: int) -> None:
+    """Free the pages of bytes 0..size of a memfd (the seals on its size allow that)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot free a shared region's pages: {os.strerror(err)}")
 
 
 class HostBackend:

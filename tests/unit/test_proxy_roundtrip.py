@@ -564,6 +564,39 @@ def test_operations_that_cannot_be_served_are_refused_and_the_connection_goes_on
         rank.close()
 
 
+def test_regions_a_rank_keeps_the_descriptors_of_hold_no_memory_of_the_proxys(solo: Job) -> None:
+    """A hostile rank asks for region after region and keeps every descriptor, with the proxy
+    writing a result into each: once a region is replaced, or the connection ends, its pages are
+    freed, so the memory the proxy faulted in for the rank is its current region at most."""
+    rank = RawRank(solo.address(0))
+    kept: list[int] = []
+    count = (8 << 20) // 4  # 8 MiB of float32
+
+    def ask_keep(message: dict) -> dict:
+        wire.send(rank.sock, message)
+        reply, fds = rank.reader.recv()
+        kept.extend(fds)
+        return reply
+
+    try:
+        assert rank.ask({"op": "hello", "rank": 0, "world_size": 2})["ok"]
+        assert rank.ask({"op": "comm", "comm": "self", "ranks": [0]}) == {"ok": True}
+        for _ in range(4):
+            assert ask_keep({"op": "map", "bytes": count * 4})["bytes"] == 8 << 20
+            reply = rank.ask({"op": "allreduce", "comm": "self", "dtype": "float32", "count": count,
+                              "reduce": "sum"})
+            assert reply["ok"], reply
+        resident = [os.fstat(fd).st_blocks * 512 for fd in kept]
+        assert resident[:-1] == [0, 0, 0], resident  # the replaced ones: freed, though still held
+        assert resident[-1] == 8 << 20  # the one in use: the proxy wrote every page of the result
+        rank.close()
+        solo.wait_for("the connection's end", lambda: os.fstat(kept[-1]).st_blocks == 0)
+    finally:
+        rank.close()
+        for fd in kept:
+            os.close(fd)
+
+
 def test_a_connection_from_another_user_is_refused(job) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to connect as another user")
