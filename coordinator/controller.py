@@ -48,7 +48,7 @@ from singularity_slurm.slurmcli import SlurmClient
 
 from . import keys
 from .commands import CommandClient, new_request
-from .registry import Registry, connect
+from .registry import CHECKPOINT_REASONS, Registry, connect
 
 LOG = logging.getLogger("singularity.controller")
 ACTIONS_KEPT = 1000
@@ -275,6 +275,16 @@ def actions(client: redis.Redis, limit: int = ACTIONS_KEPT) -> list[dict]:
     return out
 
 
+def unseen(events: list[dict], last: dict | None) -> list[dict]:
+    """The events after `last`, the newest one counted before (the registry keeps only a job's last
+    MAX_EVENTS, so positions move): all of them where `last` is None or was dropped since."""
+    if last is not None:
+        for at in range(len(events) - 1, -1, -1):
+            if events[at] == last:
+                return events[at + 1:]
+    return events
+
+
 class Metrics:
     """What the controller exports to Prometheus: the fleet and the tiers' guarantees."""
 
@@ -295,7 +305,7 @@ class Metrics:
         self.fraction = Histogram("singularity_gpu_fraction", "GPU fraction of each closed window", ["tier"],
                                   buckets=(0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0), registry=r)
         self.checkpoints = Counter("singularity_checkpoints", "checkpoints committed, by reason (preempt, "
-                                   "resize, migrate, drain, requeue, periodic, manual)", ["reason"],
+                                   "requeue, resize, migrate (a drain's too), periodic, manual)", ["reason"],
                                    registry=r)
         self.checkpoint_seconds = Histogram("singularity_checkpoint_seconds", "checkpoint duration",
                                             buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r)
@@ -306,7 +316,7 @@ class Metrics:
                                          buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r)
         self.decisions = Counter("singularity_controller_actions", "the controller's decisions", ["action"],
                                  registry=r)
-        self._seen_events: dict[int, int] = {}
+        self._seen_events: dict[int, dict] = {}  # job -> the last of its events counted
         self._seen_windows: set[tuple[int, float]] = set()
         self._first = True
 
@@ -331,7 +341,10 @@ class Metrics:
             self.decisions.labels(entry["action"]).inc()
         registry = Registry(client)
         windows: dict[str, list] = {tier: [] for tier in FLOORS}
-        for job_id in registry.job_ids():
+        job_ids = registry.job_ids()
+        for gone in set(self._seen_events) - set(job_ids):  # records Redis has dropped
+            del self._seen_events[gone]
+        for job_id in job_ids:
             record = registry.job(job_id)
             if record is None:
                 continue
@@ -344,11 +357,13 @@ class Metrics:
                         if not self._first:
                             self.fraction.labels(accounted.tier).observe(w.fraction)
             events = record.get("events") or []
-            for event in events[self._seen_events.get(job_id, 0):]:
+            fresh = unseen(events, self._seen_events.get(job_id))
+            for event in fresh:
                 if self._first:
                     break
                 if event.get("event") == "checkpoint":
-                    self.checkpoints.labels(str(event.get("reason"))).inc()
+                    reason = event.get("reason")
+                    self.checkpoints.labels(reason if reason in CHECKPOINT_REASONS else "other").inc()
                     if isinstance(event.get("seconds"), int | float):
                         self.checkpoint_seconds.observe(event["seconds"])
                 elif event.get("event") == "restore":
@@ -356,12 +371,12 @@ class Metrics:
                     if isinstance(event.get("seconds"), int | float):
                         self.restore_seconds.observe(event["seconds"])
             if not self._first:
-                seqs = {e.get("seq") for e in events[self._seen_events.get(job_id, 0):]
-                        if e.get("event") == "checkpoint"}
+                seqs = {e.get("seq") for e in fresh if e.get("event") == "checkpoint"}
                 for summary in record.get("checkpoints") or []:
                     if summary.get("seq") in seqs and isinstance(summary.get("new_bytes"), int):
                         self.checkpoint_bytes.inc(summary["new_bytes"])
-            self._seen_events[job_id] = len(events)
+            if events:
+                self._seen_events[job_id] = events[-1]
         for tier, spans in windows.items():
             value = attainment(spans)
             if value is not None:

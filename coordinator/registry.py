@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -15,6 +16,47 @@ from . import keys
 
 RECORD_TTL_S = 7 * 24 * 3600
 """Records of ended jobs are kept this long, then Redis drops them."""
+CHECKPOINT_REASONS = ("periodic", "manual", "preempt", "requeue", "migrate", "resize")
+"""Why a checkpoint was taken: the only values a checkpoint request, the registry or a metric's label
+holds (a drain moves a job with "migrate")."""
+MAX_EVENTS = 10_000
+"""Events kept per job, the oldest dropped first: a job that checkpoints every few minutes keeps weeks
+of them, and one that asks for checkpoints without end cannot grow its record without bound."""
+MAX_CHECKPOINTS = 50
+"""Checkpoint summaries kept per job (the store keeps the checkpoints themselves)."""
+MAX_STRING = 512
+"""Characters kept of any string an event or summary holds (errors, refusals, node names)."""
+MAX_ITEMS = 64
+"""Entries kept of any list or object an event or summary holds."""
+MAX_ENTRY_BYTES = 4096
+"""Bytes of one stored event or summary; a larger one keeps only its top-level numbers and short strings."""
+
+
+def bounded(value: Any, depth: int = 0) -> Any:
+    """`value` (JSON-able) with strings clipped to MAX_STRING characters, lists and objects to
+    MAX_ITEMS entries and nesting to 4 levels: what a job's own request or output may have put in
+    an event reaches Redis only this small."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_STRING else value[:MAX_STRING] + "...(clipped)"
+    if isinstance(value, bool | int | float) or value is None:
+        return value
+    if depth >= 4:
+        return "...(nested too deep)"
+    if isinstance(value, dict):
+        return {bounded(str(k)): bounded(v, depth + 1) for k, v in list(value.items())[:MAX_ITEMS]}
+    if isinstance(value, list | tuple):
+        return [bounded(v, depth + 1) for v in value[:MAX_ITEMS]]
+    return bounded(str(value), depth)
+
+
+def entry_json(entry: dict) -> str:
+    """One event or checkpoint summary as stored: bounded, and at most MAX_ENTRY_BYTES."""
+    text = json.dumps(bounded(entry))
+    if len(text) <= MAX_ENTRY_BYTES:
+        return text
+    small = {k: v for k, v in bounded(entry).items()
+             if isinstance(v, bool | int | float) or v is None or (isinstance(v, str) and len(v) <= 128)}
+    return json.dumps({**small, "clipped": True})
 
 
 @dataclass(frozen=True)
@@ -73,6 +115,15 @@ class Registry:
         self.redis = client
         self.clock = clock
 
+    def _event(self, job_id: int, event: dict, pipe: Any = None) -> None:
+        """Append one event (bounded) to the job's list, which keeps the last MAX_EVENTS; in `pipe`
+        where one is given, else at once."""
+        run = pipe if pipe is not None else self.redis.pipeline()
+        run.rpush(keys.job_events(job_id), entry_json(event))
+        run.ltrim(keys.job_events(job_id), -MAX_EVENTS, -1)
+        if pipe is None:
+            run.execute()
+
     def record_node_start(self, start: NodeStart) -> None:
         now = self.clock()
         pipe = self.redis.pipeline()
@@ -99,10 +150,10 @@ class Registry:
             "gpu_inventory": json.dumps(start.gpu_inventory),
         })
         pipe.sadd(keys.job_nodes(start.job_id), start.node)
-        pipe.rpush(keys.job_events(start.job_id), json.dumps({
+        self._event(start.job_id, {
             "event": "node_start", "node": start.node, "time": start.started_at,
             "restart_count": start.restart_count, "gpus": len(start.gpus),
-        }))
+        }, pipe)
         pipe.zadd(keys.jobs(), {str(start.job_id): now})
         pipe.zremrangebyscore(keys.jobs(), "-inf", now - RECORD_TTL_S)
         for key in (keys.job(start.job_id), keys.job_nodes(start.job_id), keys.job_events(start.job_id),
@@ -117,9 +168,8 @@ class Registry:
         pipe.delete(keys.job_node(job_id, node))
         pipe.srem(keys.job_nodes(job_id), node)
         pipe.scard(keys.job_nodes(job_id))
-        pipe.rpush(keys.job_events(job_id), json.dumps(
-            {"event": "node_end", "node": node, "time": ended_at}))
-        _, _, remaining, _ = pipe.execute()
+        self._event(job_id, {"event": "node_end", "node": node, "time": ended_at}, pipe)
+        _, _, remaining, _, _ = pipe.execute()
         if remaining == 0 and self.redis.exists(keys.job(job_id)):
             pipe = self.redis.pipeline()
             pipe.hset(keys.job(job_id), mapping={"state": "ended", "ended_at": ended_at,
@@ -136,41 +186,38 @@ class Registry:
         the SLA accounting: how long it took, when its dump ended, how long criu kept the tree frozen,
         how long the ranks took to reach the cut before it, whether the tree stays stopped)."""
         pipe = self.redis.pipeline()
-        pipe.rpush(keys.job_checkpoints(job_id), json.dumps(summary))
-        pipe.ltrim(keys.job_checkpoints(job_id), -50, -1)
-        pipe.rpush(keys.job_events(job_id), json.dumps(
-            {"event": "checkpoint", "seq": summary.get("seq"), "reason": summary.get("reason"),
-             "node": summary.get("node"), "seconds": summary.get("seconds"), "stop": stop,
-             "dump_seconds": dump_seconds, "frozen_seconds": frozen_seconds,
-             **({"cut_seconds": cut_seconds} if cut_seconds is not None else {}), "time": self.clock()}))
+        pipe.rpush(keys.job_checkpoints(job_id), entry_json(summary))
+        pipe.ltrim(keys.job_checkpoints(job_id), -MAX_CHECKPOINTS, -1)
+        self._event(job_id,
+                    {"event": "checkpoint", "seq": summary.get("seq"), "reason": summary.get("reason"),
+                     "node": summary.get("node"), "seconds": summary.get("seconds"), "stop": stop,
+                     "dump_seconds": dump_seconds, "frozen_seconds": frozen_seconds,
+                     **({"cut_seconds": cut_seconds} if cut_seconds is not None else {}),
+                     "time": self.clock()}, pipe)
         pipe.execute()
 
     def record_running(self, job_id: int, node: str, how: str, devices: int, turns: int = 0) -> None:
         """From now the job's trees on `node` run (`how`: start | restore) on `devices` of its
         devices (for the SLA accounting), `turns` of which their ranks take turns on."""
-        self.redis.rpush(keys.job_events(job_id), json.dumps(
-            {"event": "running", "how": how, "node": node, "devices": devices, "turns": turns,
-             "time": self.clock()}))
+        self._event(job_id, {"event": "running", "how": how, "node": node, "devices": devices,
+                             "turns": turns, "time": self.clock()})
 
     def record_failure(self, job_id: int, node: str, reason: str, error: str) -> None:
         """A checkpoint that failed (the job then resumes from its last good one)."""
-        self.redis.rpush(keys.job_events(job_id), json.dumps(
-            {"event": "checkpoint_failed", "reason": reason, "node": node, "error": error[:2000],
-             "time": self.clock()}))
+        self._event(job_id, {"event": "checkpoint_failed", "reason": reason, "node": node,
+                             "error": error, "time": self.clock()})
 
     def record_restore(self, job_id: int, node: str, seq: int, seconds: float | None,
                        refused: list[dict]) -> None:
-        self.redis.rpush(keys.job_events(job_id), json.dumps(
-            {"event": "restore", "seq": seq, "node": node, "seconds": seconds, "refused": refused,
-             "time": self.clock()}))
+        self._event(job_id, {"event": "restore", "seq": seq, "node": node, "seconds": seconds,
+                             "refused": refused, "time": self.clock()})
 
     def record_size(self, job_id: int, node: str, how: str, size: dict, cause: str | None = None,
                     was: dict | None = None) -> None:
         """A distributed job's size at a start or restore (`how`), with what stopped it before (the
         checkpoint's reason: preempt, resize, migrate...) and the size it had then."""
-        self.redis.rpush(keys.job_events(job_id), json.dumps(
-            {"event": "size", "how": how, "node": node, "size": size, "cause": cause, "was": was,
-             "time": self.clock()}))
+        self._event(job_id, {"event": "size", "how": how, "node": node, "size": size,
+                             "cause": cause, "was": was, "time": self.clock()})
 
     def checkpoints(self, job_id: int) -> list[dict]:
         return [json.loads(e) for e in self.redis.lrange(keys.job_checkpoints(job_id), 0, -1)]

@@ -588,7 +588,12 @@ class AgentState:
 
     def op_checkpoint(self, request: dict) -> dict:
         self._need_engine()
-        reason = str(request.get("reason") or "manual")
+        from singularity_slurm.coordinator.registry import CHECKPOINT_REASONS
+
+        reason = request.get("reason") or "manual"
+        if reason not in CHECKPOINT_REASONS:
+            raise RequestError(f"checkpoint: reason must be one of {', '.join(CHECKPOINT_REASONS)}, "
+                               f"got {str(reason)[:64]!r}")
         stop = bool(request.get("stop", False))
         generation = request.get("generation")
         if generation is not None and not isinstance(generation, str):
@@ -767,7 +772,7 @@ class AgentState:
             return {"generations": engine.for_tree(request.get("rank", 0)).generations(self.job_id, run)}
         if not isinstance(ranks, list) or not ranks or len(ranks) > MAX_RANKS:
             raise RequestError(f"generations: ranks must be a list of 1 to {MAX_RANKS} ranks")
-        return {"ranks": {str(r): engine.for_tree(r, rank=True).generations(self.job_id, run) for r in ranks}}
+        return {"ranks": engine.rank_generations(self.job_id, ranks, run)}
 
     def op_latest(self, request: dict) -> dict:
         return {"checkpoint": self._need_engine().latest(self.job_id, _run_key(request))}

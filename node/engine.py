@@ -48,7 +48,7 @@ from singularity_slurm.jobenv import expand_hostlist
 from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
-from . import gpus, jobcgroup, jobtree, localfiles, restorecheck, runs, services
+from . import gpus, jobcgroup, jobtree, localfiles, restorecheck, runs, services, spool
 from .userio import UserCreds
 
 LOG = logging.getLogger("singularity.engine")
@@ -269,9 +269,12 @@ class CheckpointEngine:
         `cut_seconds`: how long its ranks took to reach the cut just before (the accounting counts
         the job stopped from the cut's start)."""
         started = time.monotonic()
-        work = self.run_dir / f"dump-{self.rank}-{int(time.time() * 1000)}"
-        work.mkdir(mode=0o700, parents=True)
+        work = spool.work_folder(self.config.paths.spool_dir, self.node, job_id,
+                                 f"dump-{self.rank}-{int(time.time() * 1000)}")
         try:
+            if self.track_base is None:  # a full dump: the spool takes every page the tree owns
+                spool.check_room(work, spool.tree_bytes(jobcgroup.tree(init_pid), self.criu.share_cow),
+                                 f"a full dump of job {job_id}'s tree")
             summary = self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started,
                                        size, cut_seconds)
         except Exception as exc:
@@ -521,10 +524,12 @@ class CheckpointEngine:
                      ) -> tuple[int, list[str]]:
         """Put one checkpoint back and restore its tree; it runs only if what it holds passes the
         check (else RestoreRefused, and criu has killed the tree)."""
-        work = self.run_dir / f"restore-{self.rank}-{manifest.seq}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(mode=0o700, parents=True)
+        name = f"restore-{self.rank}-{manifest.seq}"
+        shutil.rmtree(spool.job_folder(self.config.paths.spool_dir, self.node, job_id) / name,
+                      ignore_errors=True)
+        work = spool.work_folder(self.config.paths.spool_dir, self.node, job_id, name)
         try:
+            spool.check_room(work, manifest.logical_bytes, f"checkpoint {manifest.seq} of job {job_id}")
             image_dir = images.download(self.store, manifest, work)
             risks = restorecheck.check_images(image_dir)
             if risks:
@@ -698,6 +703,15 @@ class CheckpointEngine:
         """Generations this node committed, oldest first (multi-node checkpoints)."""
         return [m.meta["generation"] for m in self.store.list(job_id)
                 if m.meta.get("generation") and self.mine(run)(m)]
+
+    def rank_generations(self, job_id: int, ranks: list[int], run: str | None = None) -> dict[str, list[str]]:
+        """The generations each of `ranks` of a distributed job committed, oldest first, from one
+        reading of the folder the ranks share (however many ranks a request names)."""
+        engines = {rank: self.for_tree(rank, rank=True) for rank in ranks}
+        manifests = next(iter(engines.values())).store.list(job_id) if engines else []
+        return {str(rank): [m.meta["generation"] for m in manifests
+                            if m.meta.get("generation") and engine.mine(run)(m)]
+                for rank, engine in engines.items()}
 
     def latest(self, job_id: int, run: str | None = None) -> dict[str, Any] | None:
         manifests = [m for m in self.store.list(job_id) if self.mine(run)(m)]

@@ -80,6 +80,9 @@ class PathsConfig:
     prefix: Path  # install prefix: venv, criu, SPANK plugin
     # node-local folder of the jobs' file-logs (written by the jobs: on disk, not on the tmpfs /run)
     filelog_dir: Path = Path("/var/lib/singularity-slurm/filelog")
+    # node-local folder of the images being dumped or restored (root's; on disk, with room for a
+    # job's memory: not the RAM-backed /run)
+    spool_dir: Path = Path("/var/spool/singularity-slurm")
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,9 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "paths.prefix": ("/opt/singularity-slurm", str, "install prefix (venv, criu, SPANK plugin)"),
     "paths.filelog_dir": ("/var/lib/singularity-slurm/filelog", str,
                           "node-local folder of the jobs' file-logs (jobs write there: keep it off /run)"),
+    "paths.spool_dir": ("/var/spool/singularity-slurm", str,
+                        "node-local folder of the checkpoint images being dumped or restored (root's; a "
+                        "disk file system with room for a job's memory, not /run)"),
     "proxy.backend": ("auto", str, "device backend of a GPU's proxy: auto (cuda where NVML sees the "
                       "job's GPUs), cuda or host; CPU slots use host"),
     "proxy.cpu_slots": (1, int, "device proxies per node for a job without GPUs"),
@@ -402,7 +408,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"redis.port must be 1..65535, got {port}")
 
     paths_raw = data.get("paths", {})
-    _check_keys(paths_raw, {"state_dir", "store_root", "prefix", "filelog_dir"}, "paths")
+    _check_keys(paths_raw, {"state_dir", "store_root", "prefix", "filelog_dir", "spool_dir"}, "paths")
 
     def path(key: str) -> Path:
         value = Path(_take(paths_raw, key, "paths", str, KEYS[f"paths.{key}"][0]))
@@ -525,7 +531,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
                                      KEYS["redis.password_file"][0])),
         ),
         paths=PathsConfig(state_dir=path("state_dir"), store_root=path("store_root"),
-                          prefix=path("prefix"), filelog_dir=path("filelog_dir")),
+                          prefix=path("prefix"), filelog_dir=path("filelog_dir"),
+                          spool_dir=path("spool_dir")),
         proxy=proxy,
         admin=AdminConfig(operators=tuple(operators)),
         local_files=LocalFilesConfig(**limits),

@@ -44,6 +44,20 @@ for op in json.loads(sys.argv[2]):
 print(json.dumps(out))
 """
 
+# Run as the job's user: each request in turn, the exception it met (or "ok").
+REPEAT = """
+import json, sys
+from singularity_slurm import rpc
+out = []
+for request in json.loads(sys.argv[2]):
+    try:
+        rpc.call(sys.argv[1], request, timeout=30)
+        out.append(["ok", "ok", ""])
+    except rpc.RpcError as exc:
+        out.append([type(exc).__name__, exc.kind, str(exc)])
+print(json.dumps(out))
+"""
+
 # Run as the job's user: a header claiming 1 GiB (no body), then a truthful header and a 64 MiB body.
 OVERSIZED = """
 import json, socket, struct, sys, time
@@ -165,9 +179,10 @@ def test_another_user_is_refused_every_op_with_a_typed_error_and_the_job_is_unto
 
 
 def test_oversized_requests_and_starts_from_outside_the_job_are_refused_and_the_agent_serves_on(
-        jobs, config, job_user):
+        jobs, config, job_user, registry):
     job_id, sock, agent_pid = _start(jobs, config)
     rss_before = _proc_status(agent_pid, "VmRSS")
+    events_before = len(registry.job(job_id)["events"])
 
     proc = run_as(job_user.pw_name, [PYTHON, "-c", OVERSIZED, str(sock)])
 
@@ -197,6 +212,18 @@ def test_oversized_requests_and_starts_from_outside_the_job_are_refused_and_the_
         assert (name, kind) == ("Forbidden", "forbidden"), (op, message)
         assert f"job {job_id}: a start or restore must come from a step of the job" in message, message
     assert rpc.call(sock, {"op": "status"})["state"] == "running"
+
+    # Nor may it fill the shared Redis through the job's record: 30 checkpoint requests with a
+    # 600 kB reason each are refused before anything is dumped or recorded.
+    flood = [{"op": "checkpoint", "reason": "r" * 600_000} for _ in range(30)]
+    proc = run_as(job_user.pw_name, [PYTHON, "-c", REPEAT, str(sock), json.dumps(flood)])
+    assert proc.returncode == 0, proc.stderr
+    for name, kind, message in json.loads(proc.stdout):
+        assert (name, kind) == ("RemoteError", "refused"), message
+        assert message.startswith("checkpoint: reason must be one of periodic, manual, preempt"), message
+    job = registry.job(job_id)
+    assert len(job["events"]) == events_before and not job["checkpoints"]
+    assert rpc.call(sock, {"op": "status"})["last_checkpoint"] is None
     _still_ticking(jobs)
     _finish(jobs, job_id)
 

@@ -639,9 +639,9 @@ def test_the_ranks_of_a_node_are_checkpointed_together_as_one_generation(
 
 def test_generations_of_named_ranks_come_from_each_ranks_store(tmp_path: Path) -> None:
     class Stores(RecordingEngine):
-        def for_tree(self, tree: object, **kwargs: object) -> SimpleNamespace:
-            self.ranks.append(tree)
-            return SimpleNamespace(generations=lambda job_id, run: [f"g-{tree}"])
+        def rank_generations(self, job_id: int, ranks: list[int], run: str | None) -> dict:
+            self.ranks.extend(ranks)
+            return {str(rank): [f"g-{rank}"] for rank in ranks}
 
     engine = Stores()
     state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=tmp_path)
@@ -742,6 +742,27 @@ def test_migrate_the_launcher_could_not_carry_out_is_an_error_with_its_reason() 
         reply = state.handle({"op": "migrate"}, JOB_UID)
 
     assert reply == {"ok": False, "error": "migrate failed: n2: no consistent cut", "kind": "failed"}
+
+
+def test_a_checkpoint_reason_outside_the_closed_set_is_refused_and_nothing_is_dumped(
+        socket_dir: Path, node_proxies) -> None:
+    node_proxies(["gpu0"])
+    engine = RankEngine({})
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    try:
+        start = {**START, "proxy": {"generation": "g1", "placement": {"0": "n9/gpu0"}}}
+        assert state.handle(start, JOB_UID)["ok"]
+        state.proxies = {}
+        for reason in ("x" * 600_000, ["manual"], "drain\n"):
+            reply = state.handle({"op": "checkpoint", "reason": reason, "generation": "0.5"}, JOB_UID)
+            assert reply["ok"] is False and reply["kind"] == "refused"
+            assert reply["error"].startswith("checkpoint: reason must be one of periodic, manual, preempt, "
+                                             "requeue, migrate, resize, got ")
+            assert len(reply["error"]) < 200  # the answer does not echo what was sent
+        assert engine.dumped == [] and state.op_status({})["state"] == "running"
+        assert state.handle({"op": "checkpoint", "generation": "0.5"}, JOB_UID)["reason"] == "manual"
+    finally:
+        state.op_kill({})
 
 
 def test_launcher_checkpoint_is_handed_to_the_polling_launcher() -> None:

@@ -164,7 +164,7 @@ def test_unknown_preemption_key_lists_valid_keys() -> None:
 
 def test_unknown_paths_key_lists_valid_keys() -> None:
     assert config_error({"paths": {"store": "/x"}}) == (
-        "unknown key(s) in [paths]: store; valid keys: filelog_dir, prefix, state_dir, store_root"
+        "unknown key(s) in [paths]: store; valid keys: filelog_dir, prefix, spool_dir, state_dir, store_root"
     )
 
 

@@ -295,3 +295,24 @@ def test_a_requeue_keeps_the_job_off_the_nodes_it_avoided_already_when_told(
 
     assert slurm.requeued == [JOB] and reply["exclude"] == kept_off.split(",")
     assert helpers[0][-1] == kept_off  # the helper that lifts the delay sets ExcNodeList to these
+
+
+def test_the_generations_of_many_ranks_come_from_one_reading_of_their_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engines = rank_engines(tmp_path, 3)
+    for engine in engines[:2]:
+        commit_rank(engine, "1.1", bytes([engine.rank]) * 4096)
+    commit_rank(engines[0], "1.2", b"z" * 4096)
+    readings = []
+    listing = CheckpointStore.list
+
+    def counted(store: CheckpointStore, job_id: int) -> list:
+        readings.append(job_id)
+        return listing(store, job_id)
+
+    monkeypatch.setattr(CheckpointStore, "list", counted)
+    found = engines[0].rank_generations(JOB, list(range(4096)), RUN)
+
+    assert readings == [JOB]  # not once per rank: a request naming 4096 ranks costs one listing
+    assert (found["0"], found["1"], found["2"], found["4095"]) == (["1.1", "1.2"], ["1.1"], [], [])
+    assert len(found) == 4096
