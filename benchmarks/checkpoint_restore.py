@@ -525,9 +525,9 @@ def floor_seconds(total_mib: float, stored_mib: float, folder: Path, *others: fl
     block = os.urandom(FLOOR_BLOCK)
     target, copy = folder / f".floor-{os.getpid()}", folder / f".floor-{os.getpid()}.restored"
 
-    def write(mib: float) -> float:
+    def write(mib: float, path: Path = target) -> float:
         started, left = time.perf_counter(), int(mib * 2**20)
-        with open(target, "wb") as out:
+        with open(path, "wb") as out:
             while left > 0:
                 piece = bytearray(block[:min(left, FLOOR_BLOCK)])  # the copy out of the process
                 view = memoryview(piece)
@@ -539,15 +539,24 @@ def floor_seconds(total_mib: float, stored_mib: float, folder: Path, *others: fl
             os.fsync(out.fileno())
         return time.perf_counter() - started
 
+    def write_alone(mib: float) -> float:
+        """`write` into a new file (truncating a large one would be timed too), removed after."""
+        alone = folder / f".floor-{os.getpid()}.alone"
+        try:
+            return write(mib, alone)
+        finally:
+            alone.unlink(missing_ok=True)
+
     try:
-        stored = write(stored_mib)
+        measured = [write_alone(mib) for mib in others]
+        stored = write_alone(stored_mib)
         everything = write(total_mib)
         started = time.perf_counter()
         with open(target, "rb") as source, open(copy, "wb") as out:
             while data := source.read(FLOOR_BLOCK):
                 out.write(data)
         restore = time.perf_counter() - started
-        return (everything, stored, restore, *(write(mib) for mib in others))
+        return (everything, stored, restore, *measured)
     finally:
         target.unlink(missing_ok=True)
         copy.unlink(missing_ok=True)
@@ -581,16 +590,22 @@ def changed_mib(store_root: Path, job: int) -> float | None:
     return changed * PAGE / 2**20
 
 
+TORCHSAVE_WARN_S = 30
+"""Seconds of warning the torch.save job asks Slurm for: the dev cluster's GraceTime."""
+
+
 def training_script(kind: str, ballast: int, s: Settings) -> str:
     args = f"--steps {s.steps} --sleep {s.sleep}" + (f" --ballast-mb {ballast}" if ballast else "")
     head = "#!/bin/bash\n#SBATCH --singularity-sla=basic\n#SBATCH --gres=gpu:4\n#SBATCH -o train.out\n"
     if kind == SINGULARITY:
         return head + f"exec {s.ctl} run -- {s.python} train_reference.py {args}\n"
-    # What a careful user writes without Singularity: requeue on the warning. The training runs in the
-    # background so that bash handles the signal at once instead of after the child exits, and is
-    # stopped first, as the preemption would: otherwise it trains (and saves) on while the requeue
-    # completes, which flatters the alternative.
+    # What a careful user writes without Singularity: a warning signal to the batch shell (`B:`; the
+    # tier's own warning goes to job steps only, and this job runs none) and a requeue on it. The
+    # training runs in the background so that bash handles the signal at once instead of after the
+    # child exits, and is stopped first, as the preemption would: otherwise it trains (and saves) on
+    # while the requeue completes, which flatters the alternative.
     who = 'job $SLURM_JOB_ID on $SLURMD_NODENAME'
+    head += f"#SBATCH --signal=B:USR2@{TORCHSAVE_WARN_S}\n"
     return head + f"""echo "[torchsave] {who}: restart ${{SLURM_RESTART_COUNT:-0}}: starting"
 on_warning() {{
   echo "[torchsave] {who}: preemption warning (SIG$1): requeueing"
@@ -698,13 +713,15 @@ class Bench:
         except RunFailed as exc:
             note = f"failed: {exc}"
             self.say(f"{label}, ballast {ballast} MiB: job {job} FAILED: {exc}")
+        # counted before the job is cancelled: the Epilog of an ended job may retire its checkpoints
+        changed = (changed_mib(Path(self.s.floor_dir), job)
+                   if kind == SINGULARITY and self.s.floor_dir and self.s.periodic_at and job else None)
         if job is not None:
             self.retire(job, track.premium_id, at_once=bool(note))
         base = Result(label, ballast, job_id=job, nodes=" -> ".join(track.nodes), pss_mib=track.pss_mib,
                       periodic_s=track.periodic_s, note=note)
         result = measure(base, track.seen, track.log, track.premium_at)
         if kind == SINGULARITY and self.s.floor_dir and result.checkpoint_mib:
-            changed = changed_mib(Path(self.s.floor_dir), job) if self.s.periodic_at and job else None
             result = replace(result, changed_mib=None if changed is None else round(changed, 1))
             self.say(f"{label}, ballast {ballast} MiB: measuring the floor for "
                      f"{result.checkpoint_mib:.0f} MiB ({result.stored_mib:.0f} MiB stored, PSS "
@@ -962,7 +979,8 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
     _say(f"report: {md_path} (JSON: {json_path}); job folders and logs: {workdir}")
     stored = [str(r.job_id) for r in results if r.workload == SINGULARITY and r.job_id is not None]
     if stored:
-        _say(f"the Singularity jobs' checkpoints stay in {paths.store_root}/jobs/{{{','.join(stored)}}}")
+        _say(f"the Singularity jobs' checkpoints: {paths.store_root}/jobs/{{{','.join(stored)}}}, until "
+             "the store's retention of ended jobs (store.retention_min) removes them")
     sys.exit(1 if any(r.note.startswith("failed") for r in results) else 0)
 
 
