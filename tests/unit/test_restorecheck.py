@@ -125,6 +125,14 @@ def check(proc: subprocess.Popen, user: pwd.struct_passwd) -> list[restorecheck.
         proc.wait()
 
 
+def check_holding(user: pwd.struct_passwd, fd: int) -> list[restorecheck.Problem]:
+    """`check` of a process of `user` holding `fd`, which is closed after."""
+    try:
+        return check(holding(user, fd), user)
+    finally:
+        os.close(fd)
+
+
 def test_a_process_holding_only_what_its_user_may_open_passes(jobuser):
     assert check(holding(jobuser), jobuser) == []
 
@@ -134,10 +142,7 @@ def test_an_fd_on_a_root_only_file_is_found(jobuser, root_dir):
     secret.write_text("root:x\n")
     os.chmod(secret, 0o600)
     fd = os.open(secret, os.O_RDONLY)
-    try:
-        problems = check(holding(jobuser, fd), jobuser)
-    finally:
-        os.close(fd)
+    problems = check_holding(jobuser, fd)
     assert [(p.what, p.path) for p in problems] == [(f"fd {fd}", str(secret))]
     assert "may not read it (owner uid 0, gid 0, mode 600)" in problems[0].reason
 
@@ -147,10 +152,7 @@ def test_a_write_fd_on_a_file_the_user_may_only_read_is_found(jobuser, root_dir)
     public.write_text("x")
     os.chmod(public, 0o644)
     fd = os.open(public, os.O_WRONLY)
-    try:
-        problems = check(holding(jobuser, fd), jobuser)
-    finally:
-        os.close(fd)
+    problems = check_holding(jobuser, fd)
     assert [(p.what, p.path, "may not write" in p.reason) for p in problems] == [
         (f"fd {fd}", str(public), True)]
 
@@ -161,10 +163,7 @@ def test_an_fd_on_a_folder_the_user_could_not_reach_is_found(jobuser, root_dir):
     os.chmod(locked, 0o700)
     os.chmod(locked / "inner", 0o755)
     fd = os.open(locked / "inner", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        problems = check(holding(jobuser, fd), jobuser)
-    finally:
-        os.close(fd)
+    problems = check_holding(jobuser, fd)
     assert [(p.what, p.path) for p in problems] == [(f"fd {fd}", str(locked / "inner"))]
     assert f"may not search the folder {locked} above it" in problems[0].reason
 
@@ -257,10 +256,7 @@ def test_an_fd_on_a_file_whose_acl_denies_its_user_what_others_may_is_found(jobu
     assert subprocess.run(["cat", str(private)], user=jobuser.pw_uid, group=jobuser.pw_gid, extra_groups=[],
                           capture_output=True).returncode != 0, "the kernel let the job's user read it"
     fd = os.open(private, os.O_RDONLY)
-    try:
-        problems = check(holding(jobuser, fd), jobuser)
-    finally:
-        os.close(fd)
+    problems = check_holding(jobuser, fd)
     assert [(p.what, p.path) for p in problems] == [(f"fd {fd}", str(private))]
     assert "may not read it (owner uid 0, gid 0, mode 644, by its ACL)" in problems[0].reason
 
@@ -272,10 +268,7 @@ def test_an_fd_on_a_file_an_acl_lets_its_user_read_passes(jobuser, root_dir):
     _set_acl(shared, acl((A.ACL_USER_OBJ, 6, 0), (A.ACL_USER, 4, jobuser.pw_uid), (A.ACL_GROUP_OBJ, 0, 0),
                          (A.ACL_MASK, 4, 0), (A.ACL_OTHER, 0, 0)))
     fd = os.open(shared, os.O_RDONLY)
-    try:
-        assert check(holding(jobuser, fd), jobuser) == []
-    finally:
-        os.close(fd)
+    assert check_holding(jobuser, fd) == []
 
 
 def test_a_folder_whose_acl_denies_its_user_search_is_found(jobuser, root_dir):
@@ -285,10 +278,7 @@ def test_a_folder_whose_acl_denies_its_user_search_is_found(jobuser, root_dir):
     _set_acl(fenced, acl((A.ACL_USER_OBJ, 7, 0), (A.ACL_USER, 0, jobuser.pw_uid), (A.ACL_GROUP_OBJ, 5, 0),
                          (A.ACL_MASK, 5, 0), (A.ACL_OTHER, 5, 0)))
     fd = os.open(fenced / "inner", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        problems = check(holding(jobuser, fd), jobuser)
-    finally:
-        os.close(fd)
+    problems = check_holding(jobuser, fd)
     assert [(p.what, p.path) for p in problems] == [(f"fd {fd}", str(fenced / "inner"))]
     assert f"may not search the folder {fenced} above it (mode 755, by its ACL)" in problems[0].reason
 
@@ -328,10 +318,7 @@ def test_a_fanotify_descriptor_is_found(jobuser):
     libc = ctypes.CDLL(None, use_errno=True)
     fd = libc.fanotify_init(0, os.O_RDONLY)  # as root, as CRIU makes the group again
     assert fd >= 0, os.strerror(ctypes.get_errno())
-    try:
-        problems = check(holding(jobuser, fd), jobuser)
-    finally:
-        os.close(fd)
+    problems = check_holding(jobuser, fd)
     assert [(p.what, p.reason) for p in problems] == [
         (f"fd {fd}", "it is a fanotify descriptor, which root would make again with root's view of the "
                      "system")]
@@ -344,10 +331,7 @@ def test_a_watch_on_a_folder_its_user_may_not_read_is_found(jobuser, root_dir):
     private.mkdir(mode=0o700)
     (private / "inner").mkdir(mode=0o755)
     fd = _inotify_watching(private, private / "inner")
-    try:
-        problems = check(holding(jobuser, fd), jobuser)
-    finally:
-        os.close(fd)
+    problems = check_holding(jobuser, fd)
     found = {p.path: (p.what, p.reason) for p in problems}  # the kernel lists the newest mark first
     assert sorted(found) == [str(private), str(private / "inner")] and len(problems) == 2
     assert found[str(private)][0] == f"fd {fd} (a watch)"
@@ -360,10 +344,7 @@ def test_a_watch_on_what_its_user_may_read_passes(jobuser, root_dir):
     public.mkdir(mode=0o755)
     (public / "file").write_text("x")
     fd = _inotify_watching(public, public / "file")
-    try:
-        assert check(holding(jobuser, fd), jobuser) == []
-    finally:
-        os.close(fd)
+    assert check_holding(jobuser, fd) == []
 
 
 # --- the images ---------------------------------------------------------------------------------------
