@@ -82,3 +82,36 @@ def test_a_spool_without_room_fails_with_the_numbers_and_the_fix(tmp_path: Path)
     assert message.startswith(f"the spool {tmp_path} has ")
     assert f"a full dump of job 42's tree needs about {(free + (1 << 30)) >> 20} MiB" in message
     assert "or set paths.spool_dir to a file system with room for a job's memory" in message
+
+
+def test_a_full_dump_the_spool_has_no_room_for_fails_before_criu_freezes_the_tree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from singularity_slurm.checkpoint.store import CheckpointStore
+    from singularity_slurm.config import parse
+    from singularity_slurm.node.engine import CheckpointEngine
+
+    class Unreached:
+        share_cow, tracks_writes = True, True
+
+        def dump(self, *args: object, **kwargs: object) -> None:
+            pytest.fail("criu was asked to dump")
+
+    config = parse({"paths": {"store_root": str(tmp_path / "store"), "spool_dir": str(tmp_path / "spool")}})
+    engine = CheckpointEngine(config, "n1", tmp_path / "run", CheckpointStore(tmp_path / "store"),
+                              Unreached(), None)  # type: ignore[arg-type]
+    failures: list[object] = []
+    monkeypatch.setattr(engine, "_index", failures.append)
+    monkeypatch.setattr(spool, "free_bytes", lambda folder: 100 << 20)
+    touched = ("import time; b = bytearray(256 << 20); b[::4096] = b'x' * (64 << 10); print(flush=True); "
+               "time.sleep(60)")
+    child = subprocess.Popen(["python3", "-c", touched], stdout=subprocess.PIPE)  # 256 MiB it owns
+    try:
+        child.stdout.readline()  # type: ignore[union-attr]
+        with pytest.raises(CheckpointError, match=r"the spool .*/spool/n1/42 has 100 MiB free, and a full "
+                                                  r"dump of job 42's tree needs about 2\d\d MiB"):
+            engine.checkpoint(42, os.getuid(), child.pid, reason="preempt", stop=True)
+    finally:
+        child.kill()
+        child.wait()
+    assert list((tmp_path / "spool" / "n1" / "42").iterdir()) == []  # its image folder is gone
+    assert len(failures) == 1  # and the failure is recorded, as any failed checkpoint's
