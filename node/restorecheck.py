@@ -197,6 +197,20 @@ def open_by_handle(mount_fd: int, handle_type: int, handle: bytes) -> int:
     return fd
 
 
+PROC_SUPER_MAGIC, PROC_ROOT_INO = 0x9FA0, 1
+
+
+def fs_type(path: str) -> int:
+    """The file system type (statfs's f_type) of the inode at `path`; 0 where it cannot be told."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buffer = ctypes.create_string_buffer(256)  # struct statfs: f_type is its first word
+    if libc.statfs(path.encode(), buffer) != 0:
+        return 0
+    return ctypes.c_long.from_buffer(buffer).value
+
+
 def access_for_flags(flags: int) -> tuple[bool, bool]:
     """(read, write) an fd with these open flags needs; an O_PATH fd needs neither."""
     if flags & O_PATH:
@@ -270,6 +284,15 @@ def _tasks(pid: int) -> list[str]:
         return []
 
 
+def _at(pid: int, name: str, st: os.stat_result) -> bool:
+    """Whether `name` in the task's mounts is the inode `st` (a plain look, no symlink followed last)."""
+    try:
+        there = os.stat(f"/proc/{pid}/root{name}", follow_symlinks=False)
+    except OSError:
+        return False
+    return (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino)
+
+
 class _Checker:
     def __init__(self, uid: int, gids: Iterable[int], ignore: Iterable[tuple[int, int]] = ()):
         self.uid = uid
@@ -301,8 +324,14 @@ class _Checker:
                                          f"{st.st_uid}, gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):o}"
                                          f"{', by its ACL' if acl is not None else ''})")
             return
-        if st.st_nlink == 0:
-            return  # deleted: no path leads to it (a live file may well be named "x (deleted)")
+        if st.st_nlink == 0 or (name.endswith(" (deleted)") and not _at(pid, name, st)):
+            # deleted (CRIU's restored ghost files still have a link of its own): no path leads to
+            # it; a live file that is named "x (deleted)" is found at that name and checked
+            return
+        if st.st_ino == PROC_ROOT_INO and fs_type(magic) == PROC_SUPER_MAGIC:
+            # the root of a proc file system: CRIU keeps one of its own (not the task's /proc) open
+            # in every task it restores, and any user may open /proc
+            return
         found = self.lookup(pid, what, name, search=True)
         if found is None:
             return
