@@ -82,30 +82,38 @@ class NodeStart:
     gpu_inventory: list[dict] | None = None
 
 
+def client(config: RedisConfig, timeout: float = 5.0, authenticate: bool = True) -> redis.Redis:
+    """A client of the coordinator's Redis (its unix socket where configured, else TCP), not yet
+    connected; without `authenticate`, one that sends no password."""
+    where = ({"unix_socket_path": str(config.socket)} if config.socket else
+             {"host": config.host, "port": config.port, "socket_connect_timeout": timeout})
+    return redis.Redis(**where, db=config.db, password=config.password() if authenticate else None,
+                       socket_timeout=timeout, decode_responses=True)
+
+
 def connect(config: RedisConfig, timeout: float = 5.0) -> redis.Redis:
     """A connection to the coordinator's Redis; fails fast with the fix in the message."""
-    client = redis.Redis(host=config.host, port=config.port, db=config.db,
-                         password=config.password(), socket_timeout=timeout,
-                         socket_connect_timeout=timeout, decode_responses=True)
+    client_ = client(config, timeout)
+    where = config.address
     try:
-        client.ping()
+        client_.ping()
     except redis.AuthenticationError as exc:
         raise RegistryError(
-            f"Redis at {config.host}:{config.port} refused the password from "
+            f"Redis at {where} refused the password from "
             f"{config.password_file}: check it matches Redis's requirepass"
         ) from exc
     except redis.ResponseError as exc:
         if "NOAUTH" in str(exc):
             raise RegistryError(
-                f"Redis at {config.host}:{config.port} needs a password: put it in "
+                f"Redis at {where} needs a password: put it in "
                 f"{config.password_file}"
             ) from exc
-        raise RegistryError(f"Redis at {config.host}:{config.port}: {exc}") from exc
+        raise RegistryError(f"Redis at {where}: {exc}") from exc
     except redis.RedisError as exc:
         raise RegistryError(
-            f"cannot reach Redis at {config.host}:{config.port} ({exc}); is redis-server running?"
+            f"cannot reach Redis at {where} ({exc}); is redis-server running?"
         ) from exc
-    return client
+    return client_
 
 
 class Registry:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from singularity_slurm.config import TIERS, Config
+from singularity_slurm.coordinator.registry import client as redis_client
 from singularity_slurm.coordinator.registry import connect
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.slurmcli import SlurmClient, SlurmVersion, parse_version
@@ -212,7 +213,7 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
         add(Result("redis", False, facts.redis_error,
                    f"start Redis and check {config.redis.password_file}"))
     else:
-        add(Result("redis", True, f"{config.redis.host}:{config.redis.port} answers"))
+        add(Result("redis", True, f"{config.redis.address} answers"))
         add(Result("redis auth", bool(facts.redis_requires_auth),
                    "refuses unauthenticated clients" if facts.redis_requires_auth
                    else "accepts clients without a password",
@@ -290,7 +291,7 @@ def gather(config: Config, slurm: SlurmClient) -> Facts:
         import redis
 
         try:
-            redis.Redis(host=config.redis.host, port=config.redis.port, socket_timeout=3).ping()
+            redis_client(config.redis, timeout=3, authenticate=False).ping()
             facts.redis_requires_auth = False
         except redis.AuthenticationError:
             facts.redis_requires_auth = True

@@ -15,6 +15,7 @@ import redis
 
 from singularity_slurm import config as config_mod
 from singularity_slurm.checkpoint.criu import install_wrapper
+from singularity_slurm.coordinator import registry
 from singularity_slurm.errors import DevClusterError, SingularityError
 from singularity_slurm.rootexec import UnsafeProgram, service_env, system_program
 from singularity_slurm.slurm_plugin import policy
@@ -130,9 +131,7 @@ def _write_configs(layout: Layout, say: Say) -> tuple[config_mod.Config, list[Pa
 
 def _redis_ok(config: config_mod.Config) -> bool:
     try:
-        client = redis.Redis(host=config.redis.host, port=config.redis.port,
-                             password=config.redis.password(), socket_timeout=2)
-        return bool(client.ping())
+        return bool(registry.client(config.redis, timeout=2).ping())
     except redis.RedisError:
         return False
 
@@ -191,9 +190,12 @@ def up(layout: Layout | None = None, say: Say = print) -> Report:
     table = daemon_table(layout)
     slurm_config_changed = any(p.name in {"slurm.conf", "gres.conf", "cgroup.conf"} for p in report.changed)
     redis_config_changed = any(p.name == "redis.conf" for p in report.changed)
+    # the controller reads the project's configuration once, at its start (where Redis is, too)
+    config_changed = redis_config_changed or any(p.name == "config.toml" for p in report.changed)
     for daemon in table:
         restart = (slurm_config_changed and daemon.program.startswith("slurm")) or (
-            redis_config_changed and daemon.name == "redis")
+            redis_config_changed and daemon.name == "redis") or (
+            config_changed and daemon.name == "sla-controller")
         if restart and daemon.pid() is not None:
             daemons.stop(daemon)
             report.restarted.append(daemon.name)

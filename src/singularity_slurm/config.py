@@ -59,6 +59,14 @@ class RedisConfig:
     port: int
     db: int
     password_file: Path
+    # a unix socket of a Redis on this host, reached instead of host:port: its file permissions keep
+    # those who may not use Redis from holding connections to it at all
+    socket: Path | None = None
+
+    @property
+    def address(self) -> str:
+        """Where Redis is, as messages name it."""
+        return f"unix:{self.socket}" if self.socket else f"{self.host}:{self.port}"
 
     def password(self) -> str | None:
         """The password, or None when the file does not exist (a Redis without auth)."""
@@ -239,6 +247,8 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "redis.db": (0, int, "Redis database number"),
     "redis.password_file": ("/etc/singularity-slurm/redis.password", str,
                             "file holding the Redis password (root-readable)"),
+    "redis.socket": ("", str, "unix socket of a Redis on the same host, used instead of host:port "
+                              "(its permissions keep other users from connecting at all); empty: TCP"),
     "paths.state_dir": ("/run/singularity-slurm", str, "node-local state (pid files, sockets)"),
     "paths.store_root": ("/var/lib/singularity-slurm/store", str, "shared checkpoint store"),
     "paths.prefix": ("/opt/singularity-slurm", str, "install prefix (venv, criu, SPANK plugin)"),
@@ -402,7 +412,10 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"preemption.warn_time must be 1..65535 seconds, got {warn_time}")
 
     redis_raw = data.get("redis", {})
-    _check_keys(redis_raw, {"host", "port", "db", "password_file"}, "redis")
+    _check_keys(redis_raw, {"host", "port", "db", "password_file", "socket"}, "redis")
+    redis_socket = _take(redis_raw, "socket", "redis", str, "")
+    if redis_socket and not redis_socket.startswith("/"):
+        raise ConfigError(f"redis.socket must be an absolute path (or empty for TCP), got {redis_socket!r}")
     port = _take(redis_raw, "port", "redis", int, 6379)
     if not 1 <= port <= 65535:
         raise ConfigError(f"redis.port must be 1..65535, got {port}")
@@ -527,6 +540,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
             host=_take(redis_raw, "host", "redis", str, "127.0.0.1"),
             port=port,
             db=_take(redis_raw, "db", "redis", int, 0),
+            socket=Path(redis_socket) if redis_socket else None,
             password_file=Path(_take(redis_raw, "password_file", "redis", str,
                                      KEYS["redis.password_file"][0])),
         ),

@@ -293,3 +293,33 @@ def test_a_user_who_squats_the_trees_cgroup_and_hides_a_frozen_process_below_the
         os.kill(hidden, signal.SIGKILL)
     assert not alive, "the hidden process outlived the job"
     assert not (extern / "hide").exists() and not (extern / "singularity").exists()
+
+
+REDIS_FLOOD = r'''
+import json, socket, sys
+path, out = sys.argv[1], {"socket": []}
+held = []
+for _ in range(64):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        held.append(s)
+        out["socket"].append("connected")
+    except OSError as exc:
+        out["socket"].append(type(exc).__name__)
+print(json.dumps(out))
+'''
+
+
+def test_a_user_cannot_hold_connections_to_the_coordinators_redis(config, attacker, registry):
+    """Clients that never authenticate once filled Redis's client limit, and every rendezvous,
+    registry write and admin command failed: the dev cluster's Redis has no TCP port, and its unix
+    socket is the redis user's and group's (0770), so a job user cannot even connect."""
+    assert config.redis.socket is not None, "the dev cluster's configuration names Redis's socket"
+    proc = run_as(attacker.pw_name, [PYTHON, "-c", REDIS_FLOOD, str(config.redis.socket)])
+
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout)
+    assert set(outcome["socket"]) == {"PermissionError"}, outcome
+    assert registry.redis.config_get("port") == {"port": "0"}  # and no TCP port to fill instead
+    assert registry.redis.ping()  # root is served

@@ -78,10 +78,20 @@ def test_default_redis_and_paths() -> None:
         host="127.0.0.1", port=6379, db=0,
         password_file=Path("/etc/singularity-slurm/redis.password"),
     )
+    assert config.redis.address == "127.0.0.1:6379"
     assert config.paths.state_dir == Path("/run/singularity-slurm")
     assert config.paths.store_root == Path("/var/lib/singularity-slurm/store")
     assert config.paths.prefix == Path("/opt/singularity-slurm")
+    assert config.paths.spool_dir == Path("/var/spool/singularity-slurm")
     assert config.source is None
+
+
+def test_a_redis_socket_is_used_instead_of_tcp_and_must_be_absolute() -> None:
+    config = parse({"redis": {"socket": "/run/redis/redis.sock"}})
+    assert (config.redis.socket, config.redis.address) == (Path("/run/redis/redis.sock"),
+                                                           "unix:/run/redis/redis.sock")
+    assert config_error({"redis": {"socket": "redis.sock"}}) == (
+        "redis.socket must be an absolute path (or empty for TCP), got 'redis.sock'")
 
 
 def test_sla_targets_per_tier() -> None:
@@ -152,7 +162,7 @@ def test_gpu_section_defaults_and_refusals() -> None:
 
 def test_unknown_redis_key_lists_valid_redis_keys() -> None:
     assert config_error({"redis": {"hots": "10.0.0.1"}}) == (
-        "unknown key(s) in [redis]: hots; valid keys: db, host, password_file, port"
+        "unknown key(s) in [redis]: hots; valid keys: db, host, password_file, port, socket"
     )
 
 

@@ -203,30 +203,26 @@ def test_gpu_minors_stay_distinct_with_more_nodes() -> None:
 # --- Redis and the Singularity configuration ------------------------------------------------------
 
 
-def test_redis_conf_requires_the_password_and_binds_locally() -> None:
+def test_redis_conf_requires_the_password_and_listens_only_on_a_socket_of_its_own() -> None:
     lines = conf_lines(render_redis_conf(LAYOUT, "s3cret"))
 
     assert "requirepass s3cret" in lines
-    assert "bind 127.0.0.1" in lines
-    assert "port 6379" in lines
+    assert "port 0" in lines  # no TCP port any local user could fill with connections
+    assert f"unixsocket {LAYOUT.run_dir}/redis/redis.sock" in lines
+    assert "unixsocketperm 770" in lines  # the redis user and group; root reaches it too
     assert "protected-mode yes" in lines
 
 
-def test_redis_conf_follows_the_layout_port() -> None:
-    lines = conf_lines(render_redis_conf(Layout(hostname="h", redis_port=6390), "pw"))
-
-    assert "port 6390" in lines
-
-
 def test_singularity_config_is_valid_and_warns_within_the_grace_time() -> None:
-    layout = Layout(hostname="h", grace_time=45, redis_port=6390, prefix=Path("/srv/sing"),
-                    singularity_etc=Path("/srv/etc"))
+    layout = Layout(hostname="h", grace_time=45, prefix=Path("/srv/sing"), singularity_etc=Path("/srv/etc"),
+                    run_dir=Path("/srv/run"))
 
     config = parse(tomllib.loads(render_singularity_config(layout)))
 
     assert config.default_tier == "basic"
     assert config.preemption.sbatch_signal == "URG@45"
-    assert config.redis.port == 6390
+    assert config.redis.socket == Path("/srv/run/redis/redis.sock")
+    assert config.redis.address == "unix:/srv/run/redis/redis.sock"
     assert config.redis.password_file == Path("/srv/etc/redis.password")
     assert config.paths.prefix == Path("/srv/sing")
 
