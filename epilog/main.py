@@ -56,8 +56,8 @@ def run(env: dict[str, str]) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
         log.info("stopped services %s, removed %s", stopped or "none", run_dir)
     shutil.rmtree(localfiles.log_path(config.paths.filelog_dir, job.job_id).parent, ignore_errors=True)
-    # image folders a killed agent left mid-dump or mid-restore
-    shutil.rmtree(spool.job_path(config.paths.spool_dir, job.node, job.job_id), ignore_errors=True)
+    if status == 0:  # image folders a killed agent left mid-dump or mid-restore (none still at work)
+        shutil.rmtree(spool.job_path(config.paths.spool_dir, job.node, job.job_id), ignore_errors=True)
     ranksock.remove_job_folder(config.paths.state_dir, job.job_id)  # what a proxy that died left
     try:
         Registry(connect(config.redis)).record_node_end(job.job_id, job.node, time.time())
