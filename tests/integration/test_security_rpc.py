@@ -44,12 +44,14 @@ for op in json.loads(sys.argv[2]):
 print(json.dumps(out))
 """
 
-# Run as the job's user: each request in turn, the exception it met (or "ok").
+# Run as the job's user: COUNT copies of a request whose reason is that many characters long, each
+# in turn, and the exception each met (or "ok").
 REPEAT = """
 import json, sys
 from singularity_slurm import rpc
 out = []
-for request in json.loads(sys.argv[2]):
+count, template = int(sys.argv[2]), json.loads(sys.argv[3])
+for request in [{**template, "reason": "r" * template["reason"]} for _ in range(count)]:
     try:
         rpc.call(sys.argv[1], request, timeout=30)
         out.append(["ok", "ok", ""])
@@ -215,8 +217,8 @@ def test_oversized_requests_and_starts_from_outside_the_job_are_refused_and_the_
 
     # Nor may it fill the shared Redis through the job's record: 30 checkpoint requests with a
     # 600 kB reason each are refused before anything is dumped or recorded.
-    flood = [{"op": "checkpoint", "reason": "r" * 600_000} for _ in range(30)]
-    proc = run_as(job_user.pw_name, [PYTHON, "-c", REPEAT, str(sock), json.dumps(flood)])
+    template = {"op": "checkpoint", "reason": 600_000}  # made 600 kB long by the user's process
+    proc = run_as(job_user.pw_name, [PYTHON, "-c", REPEAT, str(sock), "30", json.dumps(template)])
     assert proc.returncode == 0, proc.stderr
     for name, kind, message in json.loads(proc.stdout):
         assert (name, kind) == ("RemoteError", "refused"), message
