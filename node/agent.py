@@ -75,7 +75,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from singularity_slurm import rpc
-from singularity_slurm.node import jobcgroup, runs, services
+from singularity_slurm.errors import SingularityError
+from singularity_slurm.node import dumpgate, jobcgroup, runs, services
 from singularity_slurm.rpc import RequestError
 
 if TYPE_CHECKING:
@@ -617,11 +618,12 @@ class AgentState:
         run = _run_key(request) or self.run_key
 
         cut_seconds: float | None = None
+        within_s = self._time_left(stop)
 
         def dump(tree: Tree) -> dict:
             return tree.engine.checkpoint(self.job_id, self.job_uid, tree.init_pid, reason=reason,
                                           stop=stop, generation=generation, run=run, common=common,
-                                          size=self.size, cut_seconds=cut_seconds)
+                                          size=self.size, cut_seconds=cut_seconds, within_s=within_s)
 
         try:
             cut_seconds = self._quiesce()
@@ -650,6 +652,17 @@ class AgentState:
                 self.state = TreeState.RUNNING if self.exit_status is None else TreeState.EXITED
             self.lock.notify_all()
         return summary
+
+    def _time_left(self, stop: bool) -> float | None:
+        """Seconds until a stopping checkpoint must be done (see dumpgate.time_left)."""
+        if not stop:
+            return None
+        try:
+            preempted_at = self.engine.slurm.preempt_time(self.job_id)
+        except SingularityError as exc:
+            LOG.warning("job %s: Slurm does not say whether it is preempted: %s", self.job_id, exc)
+            preempted_at = None
+        return dumpgate.time_left(preempted_at, stop, self.engine.config.preemption.warn_time, time.time())
 
     def op_kill(self, request: dict) -> dict:
         with self.lock:
@@ -847,6 +860,8 @@ def _merged(summaries: list[dict], trees: list[int]) -> dict:
               "new_bytes": sum(s["new_bytes"] for s in summaries),
               "seconds": max((s["seconds"] or 0.0) for s in summaries),
               "dedup_ratio": None}
+    if any("waited_s" in s for s in summaries):
+        merged["waited_s"] = max(s.get("waited_s") or 0.0 for s in summaries)
     for key in ("refused", "notices"):
         if any(key in s for s in summaries):
             merged[key] = [item for s in summaries for item in s.get(key, [])]

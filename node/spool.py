@@ -33,12 +33,29 @@ def job_path(spool_dir: Path, node: str, job_id: int) -> Path:
     return spool_dir / valid_node_name(node) / str(valid_job_id(job_id))
 
 
+def node_folder(spool_dir: Path, node: str) -> Path:
+    """spool_dir/<node>: the folder of one node's jobs (and its dump slots, see node.dumpgate)."""
+    return spool_dir / valid_node_name(node)
+
+
 def job_folder(spool_dir: Path, node: str, job_id: int) -> Path:
     """job_path, made root's and 0700 up from spool_dir, which must be a root-owned folder no one
     else may write (CheckpointError otherwise)."""
-    folder = job_path(spool_dir, node, job_id)
+    return _root_folders(spool_dir, [node_folder(spool_dir, node), job_path(spool_dir, node, job_id)])
+
+
+def slots_folder(spool_dir: Path, node: str) -> Path:
+    """spool_dir/<node>/dump-slots (see node.dumpgate), made and checked as job_folder's are."""
+    below = node_folder(spool_dir, node)
+    return _root_folders(spool_dir, [below, below / "dump-slots"])
+
+
+def _root_folders(spool_dir: Path, below: list[Path]) -> Path:
+    """spool_dir and `below` (each inside the one before), made root's and 0700 where missing and
+    checked as folders only root may write; the last of them."""
     spool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for path in (spool_dir, folder.parent, folder):
+    folder = below[-1]
+    for path in (spool_dir, *below):
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:

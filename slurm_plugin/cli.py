@@ -16,7 +16,7 @@ from singularity_slurm.coordinator.registry import Registry, connect
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.slurmcli import SlurmClient
 
-from . import admin_check, policy
+from . import admin_check, lifecycle, policy
 from . import status as status_mod
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -273,7 +273,8 @@ def checkpoint(config_path: Path | None, job_id: int, as_json: bool) -> None:
         click.echo(json.dumps(reply, indent=2))
     else:
         click.echo(f"checkpoint {reply['seq']} committed in {reply['seconds']:.1f}s: "
-                   f"{reply['logical_bytes'] / 2**20:.1f} MiB, {reply['new_bytes'] / 2**20:.1f} MiB stored")
+                   f"{reply['logical_bytes'] / 2**20:.1f} MiB, {reply['new_bytes'] / 2**20:.1f} MiB stored"
+                   + lifecycle.waited(reply))
 
 
 @main.command()

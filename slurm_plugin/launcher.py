@@ -763,7 +763,8 @@ class Launcher:
             summary = {"seq": generation, "seconds": max(r["seconds"] for r in replies),
                        "cut_seconds": max(cuts) if cuts else None,
                        "logical_bytes": sum(r["logical_bytes"] for r in replies),
-                       "new_bytes": sum(r["new_bytes"] for r in replies), "dedup_ratio": None}
+                       "new_bytes": sum(r["new_bytes"] for r in replies), "dedup_ratio": None,
+                       "waited_s": max(r.get("waited_s") or 0.0 for r in replies)}
         self.last_summary = {k: v for k, v in summary.items() if k != "ok"}
         return summary
 

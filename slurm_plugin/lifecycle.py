@@ -460,4 +460,10 @@ def describe(what: str, summary: dict) -> str:
     return (f"{what} {summary.get('seq')} committed in {seconds:.1f}s"
             + (f" (distributed cut in {cut:.2f}s)" if cut is not None else "") + ": "
             f"{mib(summary.get('logical_bytes'))}, {mib(summary.get('new_bytes'))} stored"
-            + (f" (dedup {ratio:.1f}x)" if ratio else ""))
+            + (f" (dedup {ratio:.1f}x)" if ratio else "") + waited(summary))
+
+
+def waited(summary: dict) -> str:
+    """How long the checkpoint waited for the node's dump slots (see node.dumpgate), where it did."""
+    seconds = summary.get("waited_s") or 0.0
+    return f"; waited {seconds:.1f}s for a dump slot of the node" if seconds >= 0.05 else ""

@@ -42,6 +42,7 @@ class TierConfig:
 class PreemptionConfig:
     signal: str  # name without the SIG prefix, as Slurm's --signal takes it
     warn_time: int  # seconds between the warning signal and the kill
+    concurrent_dumps: int = 2  # checkpoints one node dumps and stores at once; 0: no limit
 
     @property
     def sbatch_signal(self) -> str:
@@ -242,6 +243,9 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "preemption.signal": ("URG", str, "warning signal sent to the job's steps (the launcher) before "
                                       "preemption; one the job's processes ignore by default (URG)"),
     "preemption.warn_time": (60, int, "seconds between the warning signal and the kill; keep <= GraceTime"),
+    "preemption.concurrent_dumps": (PreemptionConfig.concurrent_dumps, int,
+                                    "checkpoints one node dumps and stores at once (0..1024, 0 = no limit); "
+                                    "the others wait, earliest kill first (see node/dumpgate.py)"),
     "redis.host": ("127.0.0.1", str, "Redis host of the coordinator"),
     "redis.port": (6379, int, "Redis port"),
     "redis.db": (0, int, "Redis database number"),
@@ -400,7 +404,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         )
 
     pre_raw = data.get("preemption", {})
-    _check_keys(pre_raw, {"signal", "warn_time"}, "preemption")
+    _check_keys(pre_raw, {"signal", "warn_time", "concurrent_dumps"}, "preemption")
     sig = _take(pre_raw, "signal", "preemption", str, "URG").upper().removeprefix("SIG")
     if f"SIG{sig}" not in signal.Signals.__members__ or sig in {"KILL", "STOP"}:
         raise ConfigError(
@@ -410,6 +414,11 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     warn_time = _take(pre_raw, "warn_time", "preemption", int, 60)
     if not 1 <= warn_time <= 65535:
         raise ConfigError(f"preemption.warn_time must be 1..65535 seconds, got {warn_time}")
+    concurrent_dumps = _take(pre_raw, "concurrent_dumps", "preemption", int,
+                             PreemptionConfig.concurrent_dumps)
+    if not 0 <= concurrent_dumps <= 1024:
+        raise ConfigError(f"preemption.concurrent_dumps must be 0..1024 (0: no limit), "
+                          f"got {concurrent_dumps}")
 
     redis_raw = data.get("redis", {})
     _check_keys(redis_raw, {"host", "port", "db", "password_file", "socket"}, "redis")
@@ -535,7 +544,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     return Config(
         default_tier=default_tier,
         tiers=tiers,
-        preemption=PreemptionConfig(signal=sig, warn_time=warn_time),
+        preemption=PreemptionConfig(signal=sig, warn_time=warn_time, concurrent_dumps=concurrent_dumps),
         redis=RedisConfig(
             host=_take(redis_raw, "host", "redis", str, "127.0.0.1"),
             port=port,

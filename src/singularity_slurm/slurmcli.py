@@ -133,6 +133,10 @@ def job_table_argv(states: str = "all", job_id: int | None = None) -> list[str]:
             "-o", "|".join(code for _, code in JOB_TABLE)]
 
 
+def preempt_time_argv(job_id: int) -> list[str]:
+    return ["squeue", "-h", "-j", str(int(job_id)), "-O", "PreemptTime:40"]
+
+
 def gpus_per_node_argv(states: str = "all") -> list[str]:
     return ["squeue", "-h", "-t", states, "-o", "%A|%b"]
 
@@ -256,7 +260,9 @@ class SlurmClient:
         self.as_root = (os.geteuid() == 0 and runner is subprocess.run) if as_root is None else as_root
 
     def run(self, argv: list[str], check: bool = True, user: str | None = None,
-            input: str | None = None) -> subprocess.CompletedProcess[str]:
+            input: str | None = None, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+        """`argv` run (as `user`), within `timeout` seconds (default: the client's)."""
+        timeout = self.timeout if timeout is None else timeout
         full = ["runuser", "-u", user, "--", *argv] if user else argv
         extra = {}
         if self.as_root:  # root never finds Slurm's tools through, or runs them with, a caller's env
@@ -264,7 +270,7 @@ class SlurmClient:
             extra = {"env": rootexec.clean_env()}
         try:
             # errors="replace": a job's name or paths may hold bytes that are not UTF-8
-            proc = self._run(full, capture_output=True, text=True, timeout=self.timeout,
+            proc = self._run(full, capture_output=True, text=True, timeout=timeout,
                              input=input, errors="replace", **extra)
         except FileNotFoundError as exc:
             raise SlurmError(
@@ -272,7 +278,7 @@ class SlurmClient:
             ) from exc
         except subprocess.TimeoutExpired as exc:
             raise SlurmError(
-                f"`{shlex.join(argv)}` did not answer within {self.timeout:.0f}s: is slurmctld up?"
+                f"`{shlex.join(argv)}` did not answer within {timeout:.0f}s: is slurmctld up?"
             ) from exc
         if check and proc.returncode != 0:
             raise SlurmCommandFailed(argv, proc.returncode, proc.stderr or proc.stdout)
@@ -344,6 +350,18 @@ class SlurmClient:
     def job(self, job_id: int) -> dict[str, str] | None:
         jobs = self.jobs(job_id)
         return jobs[0] if jobs else None
+
+    def preempt_time(self, job_id: int, timeout: float = 5.0) -> float | None:
+        """When Slurm began preempting the job (Unix time), None when it is not being preempted.
+        Read alone (squeue's PreemptTime): a line of scontrol's would carry the job's name and
+        comment, which its user writes, and which could hold a ` PreemptTime=` of their own. Within
+        `timeout`: a checkpoint asks just before its dump."""
+        proc = self.run(preempt_time_argv(job_id), check=False, timeout=timeout)
+        if proc.returncode != 0:
+            if is_invalid_job(proc.stderr):
+                return None
+            raise SlurmCommandFailed(preempt_time_argv(job_id), proc.returncode, proc.stderr)
+        return parse_time(proc.stdout.strip())
 
     def partitions(self) -> dict[str, dict[str, str]]:
         records = parse_records(self.run(["scontrol", "show", "partition", "-o"]).stdout)

@@ -155,7 +155,18 @@ def test_the_readme_example_as_printed_survives_preemptions_a_drain_a_migration_
     assert int(record["Restarts"]) == 5
 
 
-def test_every_script_form_is_checkpointed_requeued_and_completes_identically(jobs, reference_log):
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most of these (start, end) intervals that overlap at any moment."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    most = now = 0
+    for _, step in edges:  # an end sorts before a start at the same moment
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_every_script_form_is_checkpointed_requeued_and_completes_identically(jobs, reference_log, registry,
+                                                                              config):
     _prepare(jobs, sleep=0.3)  # the second node's jobs must still run once the first node's restored
     ids: dict[str, int] = {}
     for name, form in FORMS.items():
@@ -184,6 +195,22 @@ def test_every_script_form_is_checkpointed_requeued_and_completes_identically(jo
         assert record["ExitCode"] == "0:0", name
         assert int(record["Restarts"]) >= 1, name
     assert jobs.wait_state(failing, "FAILED")["ExitCode"] == "3:0"
+
+    # A node's jobs, preempted at once, were dumped and stored in its dump slots: never more at once
+    # than preemption.concurrent_dumps (the registry's spans of each committed checkpoint lie within
+    # the slot it held; see node.dumpgate). A checkpoint that waited says so in the job's output.
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for job_id in ids.values():
+        for event in registry.job(job_id)["events"]:
+            if event["event"] == "checkpoint" and event.get("stop"):
+                spans.setdefault(event["node"], []).append((event["time"] - event["seconds"], event["time"]))
+    slots = config.preemption.concurrent_dumps
+    assert slots and spans
+    for node, held in spans.items():
+        assert most_at_once(held) <= slots, (node, held)
+    for name, job_id in ids.items():
+        waits = [e for e in registry.job(job_id)["events"] if (e.get("waited_seconds") or 0) >= 0.05]
+        assert logs[name].read_text().count("for a dump slot of the node") == len(waits), name
 
     set_e = logs["set-e"].read_text()
     assert set_e.count("after") == 1 and set_e.rstrip().endswith("after")

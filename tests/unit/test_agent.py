@@ -637,6 +637,32 @@ def test_the_ranks_of_a_node_are_checkpointed_together_as_one_generation(
         state.op_kill({})
 
 
+def test_a_stopping_checkpoints_deadline_comes_from_slurm_not_from_the_users_request(
+        socket_dir: Path, node_proxies) -> None:
+    from singularity_slurm.config import parse
+
+    node_proxies(["gpu0"])
+    engine = RankEngine({})
+    preempted_at = time.time() - 10
+    engine.slurm = SimpleNamespace(preempt_time=lambda job_id: preempted_at)
+    engine.config = parse({"preemption": {"warn_time": 60}})
+    seen: list[object] = []
+    dump = engine.checkpoint
+    engine.checkpoint = lambda *args, **kwargs: seen.append(kwargs["within_s"]) or dump(*args, **kwargs)
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    try:
+        start = {**START, "proxy": {"generation": "g1", "placement": {"0": "n9/gpu0"}}}
+        assert state.handle(start, JOB_UID)["ok"]
+        state.proxies = {}
+        # the job's user asks for its dump to go first on the node: the fields are not read
+        reply = state.handle({"op": "checkpoint", "reason": "preempt", "stop": True, "generation": "0.5",
+                              "within_s": 0, "deadline": 0}, JOB_UID)
+        assert reply["ok"]
+        assert len(seen) == 1 and 48 < seen[0] <= 50  # warn_time after Slurm's PreemptTime
+    finally:
+        state.op_kill({})
+
+
 def test_generations_of_named_ranks_come_from_each_ranks_store(tmp_path: Path) -> None:
     class Stores(RecordingEngine):
         def rank_generations(self, job_id: int, ranks: list[int], run: str | None) -> dict:

@@ -168,8 +168,19 @@ def test_unknown_redis_key_lists_valid_redis_keys() -> None:
 
 def test_unknown_preemption_key_lists_valid_keys() -> None:
     assert config_error({"preemption": {"warntime": 30}}) == (
-        "unknown key(s) in [preemption]: warntime; valid keys: signal, warn_time"
+        "unknown key(s) in [preemption]: warntime; valid keys: concurrent_dumps, signal, warn_time"
     )
+
+
+@pytest.mark.parametrize("value", [-1, 1025])
+def test_concurrent_dumps_out_of_range_is_refused(value: int) -> None:
+    error = config_error({"preemption": {"concurrent_dumps": value}})
+    assert "preemption.concurrent_dumps must be 0..1024" in error
+
+
+def test_concurrent_dumps_default_to_two_and_zero_lifts_the_limit() -> None:
+    assert parse({}).preemption.concurrent_dumps == 2
+    assert parse({"preemption": {"concurrent_dumps": 0}}).preemption.concurrent_dumps == 0
 
 
 def test_unknown_paths_key_lists_valid_keys() -> None:

@@ -328,6 +328,17 @@ def test_jobs_of_an_invalid_job_id_is_empty() -> None:
     assert SlurmClient(runner=runner).job(42) is None
 
 
+def test_a_jobs_preempt_time_is_read_alone_and_none_when_it_is_not_preempted() -> None:
+    from singularity_slurm.slurmcli import parse_time
+
+    argv = ("squeue", "-h", "-j", "42", "-O", "PreemptTime:40")
+    preempted = FakeRunner({argv: (0, "2026-12-06T22:10:00                     \n", "")})
+    assert SlurmClient(runner=preempted).preempt_time(42) == parse_time("2026-12-06T22:10:00")
+    assert SlurmClient(runner=FakeRunner({argv: (0, "N/A\n", "")})).preempt_time(42) is None
+    gone = FakeRunner({argv: (1, "", "slurm_load_jobs error: Invalid job id specified\n")})
+    assert SlurmClient(runner=gone).preempt_time(42) is None
+
+
 def test_jobs_with_no_jobs_in_the_system_is_empty() -> None:
     runner = FakeRunner({SHOW_ALL: (0, "No jobs in the system\n", "")})
 
