@@ -48,7 +48,7 @@ from singularity_slurm.jobenv import expand_hostlist
 from singularity_slurm.rpc import RequestError
 from singularity_slurm.slurmcli import SlurmClient
 
-from . import dumpgate, gpus, jobcgroup, jobtree, localfiles, restorecheck, runs, services, spool
+from . import dumpgate, gpus, jobcgroup, jobtree, localfiles, release, restorecheck, runs, services, spool
 from .userio import UserCreds
 
 LOG = logging.getLogger("singularity.engine")
@@ -683,9 +683,12 @@ class CheckpointEngine:
             argv.append(",".join(exclude or []))
         if resize:
             argv += [f"{nodes[0]}-{nodes[1]}" if nodes else "", str(gpus) if gpus else ""]
-        with open(self.run_dir.parent / f"release-{job_id}.log", "ab") as log:
+        log_path = self.run_dir.parent / f"release-{job_id}.log"
+        with open(log_path, "ab") as log:
+            # The helper removes its log once it lifted the delay: one is left only where it did not.
+            env = {**rootexec.service_env(os.environ), release.LOG_VAR: str(log_path)}
             subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
-                             env=rootexec.service_env(os.environ), start_new_session=True, close_fds=True)
+                             env=env, start_new_session=True, close_fds=True)
         return {"requeued": requeued, "exclude": exclude or [], **({"resize": resize} if resize else {})}
 
     def _check_trusted(self, job_id: int) -> None:

@@ -11,11 +11,17 @@ seconds.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 from singularity_slurm.errors import SingularityError
 from singularity_slurm.slurmcli import SlurmClient
+
+LOG_VAR = "SINGULARITY_RELEASE_LOG"
+"""The helper's log (set by the agent, root, which starts it): removed once the delay is lifted, so
+the node's state folder keeps only the logs of releases that failed."""
 
 # Reasons a requeued job may show while its start is delayed: BeginTime once the scheduler has looked
 # at it, None before that (the delay is already set when the requeue completes).
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     resize = resize_argvs(job_id, args[3], args[4]) if len(args) > 4 else None
     released = release_when_pending(SlurmClient(), job_id, restarts_before, exclude, resize=resize)
     print(f"job {job_id}: requeue delay {'lifted' if released else 'left to Slurm'}", flush=True)
+    if released and os.environ.get(LOG_VAR):
+        Path(os.environ[LOG_VAR]).unlink(missing_ok=True)
     return 0 if released else 1
 
 

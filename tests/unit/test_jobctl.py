@@ -304,3 +304,15 @@ def test_a_resize_update_slurm_refuses_is_tried_again_while_the_job_is_pending()
     assert release_when_pending(slurm, 7, 0, sleep=_no_sleep, resize=resize_argvs(7, "1-1", "")) is True
     assert slurm.calls == [["scontrol", "update", "JobId=7", "NumNodes=1-1"],
                            ["scontrol", "update", "JobId=7", "NumNodes=1-1"], ["release", 7]]
+
+
+@pytest.mark.parametrize(("released", "kept"), [(True, False), (False, True)])
+def test_the_release_helper_removes_its_log_once_it_lifted_the_delay(tmp_path, monkeypatch, released, kept):
+    from singularity_slurm.node import release
+
+    log = tmp_path / "release-7.log"
+    log.write_text("")
+    monkeypatch.setenv(release.LOG_VAR, str(log))
+    monkeypatch.setattr(release, "release_when_pending", lambda *args, **kwargs: released)
+    assert release.main(["7", "0"]) == (0 if released else 1)
+    assert log.exists() is kept  # a release that failed keeps its log for the admin
