@@ -157,26 +157,33 @@ class DumpGate:
                     proc_start_time(os.getpid()) or 0)
         top, waiting, holding = self._open()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        lock = os.open("gate.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=top)
+        lock: int | None = None
         held = False
         try:
-            # Bound through the folder's descriptor: a socket path is at most 107 bytes.
-            sock.bind(f"/proc/self/fd/{waiting}/{me.name}")
-            sock.setblocking(False)
-            waited = self._wait(me, sock, lock, waiting, holding) - asked
+            try:
+                lock = os.open("gate.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                               dir_fd=top)
+                # Bound through the folder's descriptor: a socket path is at most 107 bytes.
+                sock.bind(f"/proc/self/fd/{waiting}/{me.name}")
+                sock.setblocking(False)
+                waited = self._wait(me, sock, lock, waiting, holding) - asked
+            except OSError as exc:
+                raise CheckpointError(f"cannot take one of the node's dump slots: {exc}") from exc
             held = True
             if waited >= 0.05:
                 LOG.info("job %s tree %s: a dump slot after %.2fs", job_id, tree, waited)
             yield waited
         finally:
-            try:
-                with self._locked(lock):
-                    os.unlink(me.name, dir_fd=holding if held else waiting)
-                    self._wake(waiting)
-            except OSError as exc:  # the next one to look removes the ticket of a closed socket's owner
-                LOG.warning("job %s tree %s: dump slot not given back cleanly: %s", job_id, tree, exc)
+            if lock is not None:
+                try:
+                    with self._locked(lock):
+                        os.unlink(me.name, dir_fd=holding if held else waiting)
+                        self._wake(waiting)
+                except OSError as exc:  # the next one to look removes a dead agent's ticket
+                    LOG.warning("job %s tree %s: dump slot not given back cleanly: %s", job_id, tree, exc)
+                os.close(lock)
             sock.close()
-            for fd in (lock, holding, waiting, top):
+            for fd in (holding, waiting, top):
                 os.close(fd)
 
     @contextlib.contextmanager
