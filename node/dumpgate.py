@@ -136,14 +136,12 @@ class DumpGate:
                 if info.st_uid != os.geteuid() or info.st_mode & 0o022:
                     raise CheckpointError(f"the dump slots' folder {path} is not root's alone (owner uid "
                                           f"{info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}): remove it")
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:
             for fd in fds:
                 os.close(fd)
+            if isinstance(exc, CheckpointError):
+                raise
             raise CheckpointError(f"cannot open the node's dump slots: {exc}") from exc
-        except CheckpointError:
-            for fd in fds:
-                os.close(fd)
-            raise
         return fds[0], fds[1], fds[2]
 
     @contextlib.contextmanager
