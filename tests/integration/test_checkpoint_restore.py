@@ -261,16 +261,20 @@ def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_is_used(jobs, refe
 
 @pytest.fixture
 def small_store(config):
-    """Mounts a tmpfs barely larger than a job's checkpoints over its folder in the store."""
+    """Mounts a tmpfs barely larger than a job's checkpoints over its folder in the store.
+
+    The spare room is far below what any later dump adds: one of this job a few seconds later
+    stored 6.9 MiB (dedup against the first), which an 8 MiB spare once let through.
+    """
     mounted: list[Path] = []
 
-    def shrink(job_id: int, spare_mib: int = 8) -> Path:
+    def shrink(job_id: int, spare_kib: int = 256) -> Path:
         job_dir = CheckpointStore(config.paths.store_root).job_dir(job_id)
-        used = int(subprocess.run(["du", "-sm", str(job_dir)], capture_output=True, text=True,
+        used = int(subprocess.run(["du", "-sk", str(job_dir)], capture_output=True, text=True,
                                   check=True).stdout.split()[0])
         copy = Path(f"/tmp/singularity-store-copy-{job_id}")
         shutil.copytree(job_dir, copy)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used + spare_mib}m,mode=700", "tmpfs",
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={used + spare_kib}k,mode=700", "tmpfs",
                         str(job_dir)], check=True)
         mounted.append(job_dir)
         subprocess.run(["cp", "-a", f"{copy}/.", str(job_dir)], check=True)
