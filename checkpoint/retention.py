@@ -5,7 +5,9 @@ multi-node job) lives as long as the job: through every requeue, since the next 
 it. When the job ends for good (Slurm shows it completed, cancelled, failed, timed out...) the folder
 is marked ``ended.json`` and deleted ``store.retention_min`` later; until then an admin can still
 ``scontrol requeue`` the ended job and it resumes. A folder Slurm no longer knows, with no mark and no
-change for ``store.orphan_age_min``, is collected too (its job's end was never seen).
+change for ``store.orphan_age_min``, is collected too (its job's end was never seen); one that never
+held a committed checkpoint (a job requeued before its first and then cancelled while pending: no
+Epilog saw its end) goes once unchanged for EMPTY_ORPHAN_AGE_S, since it holds nothing to resume.
 
 Job ids are reused (a lost ``StateSaveLocation``, ``MaxJobId`` wrapping), so a folder is claimed by the
 incarnation that starts it: at its first start (restart 0) the Prolog writes ``owner.json`` with the
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from .store import _JOB_ID, job_key
+from .store import _JOB_ID, _MANIFEST_NAME, job_key
 
 FINAL_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                           "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"})
@@ -36,6 +38,10 @@ ENDED = "ended.json"
 OWNER = "owner.json"
 LEFTOVER_PREFIXES = (".stale-", ".deleting-")
 """Folders under jobs/ that nothing reads: a claimed-over incarnation's, a deletion cut short."""
+EMPTY_ORPHAN_AGE_S = 600.0
+"""How long a folder with no committed checkpoint, of a job Slurm no longer knows, stays unchanged
+before it goes. Every live job is in Slurm's table; the age only keeps a folder claimed by a job that
+started after the sweep asked Slurm (a Prolog's claim is minutes younger than this at most)."""
 
 
 class Verdict(StrEnum):
@@ -55,6 +61,7 @@ class JobFolder:
     job_id: str
     ended_at: float | None  # when a sweep first saw the job ended for good (its mark), or None
     changed_at: float  # the newest change of the folder, its manifests and its run records
+    checkpoints: bool = True  # it holds a committed checkpoint (a manifest)
 
     @property
     def path(self) -> Path:
@@ -70,7 +77,8 @@ def decide(folder: JobFolder, state: str | None, now: float, retention_s: float,
         return Verdict.DELETE if now - folder.ended_at >= retention_s else Verdict.KEEP
     if state is not None:  # ended for good, first seen now
         return Verdict.DELETE if retention_s <= 0 else Verdict.MARK_ENDED
-    return Verdict.DELETE if now - folder.changed_at >= orphan_age_s else Verdict.KEEP
+    age = orphan_age_s if folder.checkpoints else min(orphan_age_s, EMPTY_ORPHAN_AGE_S)
+    return Verdict.DELETE if now - folder.changed_at >= age else Verdict.KEEP
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,13 @@ def read_folder(root: Path, job_id: str) -> JobFolder:
             ended_at = float(value)
     except (OSError, ValueError):
         pass  # no mark, or a damaged one: judged as unmarked
-    return JobFolder(root, job_id, ended_at, max(changes, default=0.0))
+    try:
+        checkpoints = any(_MANIFEST_NAME.fullmatch(name) for name in os.listdir(path / "manifests"))
+    except FileNotFoundError:
+        checkpoints = False
+    except OSError:
+        checkpoints = True  # unreadable: judged as holding one, the longer age
+    return JobFolder(root, job_id, ended_at, max(changes, default=0.0), checkpoints)
 
 
 def _write_json(path: Path, doc: dict) -> None:

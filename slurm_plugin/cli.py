@@ -433,8 +433,9 @@ def admin_gc_cmd(config_path: Path | None, dry_run: bool, as_json: bool) -> None
     Slurm. A job that ended for good (completed, cancelled, failed, timed out) is marked, and its
     checkpoints are deleted `store.retention_min` minutes later; until then `scontrol requeue JOBID`
     resumes it. A folder of a job Slurm no longer knows, unchanged for `store.orphan_age_min`
-    minutes, is deleted; so are folders left by earlier jobs with a reused job id. Live jobs (pending,
-    running, requeued, suspended) are never touched.
+    minutes (10 minutes when it never held a committed checkpoint), is deleted; so are folders left
+    by earlier jobs with a reused job id. Live jobs (pending, running, requeued, suspended) are never
+    touched.
 
     Every job's Epilog starts such a sweep by itself (its own job at once, the whole store at most
     every 10 minutes); run this as root to sweep now, or from cron. Exits 1 when Slurm cannot be

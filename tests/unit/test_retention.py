@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from singularity_slurm.checkpoint.retention import (
+    EMPTY_ORPHAN_AGE_S,
     ENDED,
     OWNER,
     JobFolder,
@@ -242,3 +243,27 @@ def test_the_epilog_starts_a_helper_only_with_work_for_it(tmp_path: Path) -> Non
     assert wanted(config, 42, NOW)  # a node rank's folder of the job
     assert not wanted(config, 43, NOW + FULL_SWEEP_S - 1)  # a job without folders, a sweep not due
     assert wanted(config, 43, NOW + FULL_SWEEP_S)
+
+
+def test_an_orphan_that_never_held_a_checkpoint_goes_after_ten_minutes(tmp_path: Path) -> None:
+    """A job requeued before its first checkpoint and cancelled while pending: no Epilog saw its end,
+    and its folder holds only the Prolog's claim; Slurm forgets it after MinJobAge."""
+    root = tmp_path / "store"
+    now = os.path.getmtime(tmp_path) + 10
+    for job, checkpointed in ((7, False), (8, False), (9, True)):
+        if checkpointed:
+            checkpoint(root, job)
+        else:
+            claim(root, job, 1001, "2026-12-06T23:00:00")
+        age(root / f"jobs/{job}", EMPTY_ORPHAN_AGE_S + 60, now)
+    age(root / "jobs/8", EMPTY_ORPHAN_AGE_S - 60, now)  # claimed nine minutes ago: may be a new job's
+
+    actions = sweep(root, {}, now, RETENTION, ORPHAN_AGE)
+
+    assert {a.job_id: a.verdict for a in actions} == {"7": Verdict.DELETE, "8": Verdict.KEEP,
+                                                      "9": Verdict.KEEP}
+    assert sorted(os.listdir(root / "jobs")) == ["8", "9"]
+    # Slurm still knows it as pending: kept, however old
+    claim(root, 10, 1001, "2026-12-06T23:00:00")
+    age(root / "jobs/10", ORPHAN_AGE + 60, now)
+    assert decide(read_folder(root, "10"), "PENDING", now, RETENTION, ORPHAN_AGE) is Verdict.KEEP
