@@ -9,10 +9,12 @@ with a clear message, and nothing of root or of jobuser2 changed.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -369,3 +371,76 @@ def test_a_watch_whose_folder_was_swapped_for_another_users_private_folder_is_no
         assert text.count("step 0 ") == 2 and "done" in text
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+SLOT_ATTACK = """
+import errno, json, os, socket, sys
+folder, holder, waiter = sys.argv[1:4]
+ticket = folder + "/waiting/0000000000000-0-1-0-1-1"  # a deadline before every real one
+tries = {}
+def attempt(name, act):
+    try:
+        act()
+        tries[name] = "done"
+    except OSError as exc:
+        tries[name] = errno.errorcode.get(exc.errno, str(exc))
+dgram = lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+attempt("list", lambda: os.listdir(folder))
+attempt("queue", lambda: dgram().bind(ticket))
+attempt("lock", lambda: open(folder + "/gate.lock", "rb"))
+alias = "/tmp/sec-slots-wake-%d" % os.getpid()  # a socket path is at most 107 bytes: a link to it
+os.symlink(waiter, alias)
+attempt("wake", lambda: dgram().sendto(b"w", alias))
+os.unlink(alias)
+attempt("remove", lambda: os.unlink(holder))
+attempt("take", lambda: os.rename(waiter, folder + "/holding/" + os.path.basename(waiter)))
+print(json.dumps(tries))
+"""
+
+
+def test_the_job_user_can_neither_queue_wake_take_nor_remove_a_dump_slot(job_user, config):
+    """The node's dump slots (node.dumpgate), with one checkpoint holding the only slot and another
+    waiting for it: the job user tries to queue a ticket with the earliest deadline, to wake the
+    waiter, to remove the holder's ticket and to move the waiter into the slot."""
+    from singularity_slurm.node import dumpgate, spool
+
+    node = f"sec-slots-{uuid.uuid4().hex[:8]}"  # a node folder of its own in the real spool
+    folder = spool.slots_folder(config.paths.spool_dir, node)
+    gate = dumpgate.DumpGate(lambda: folder, 1, liveness_s=0.2)
+    held, release, admitted = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gate.slot(1, 0, 30.0):
+            held.set()
+            release.wait(60)
+
+    def wait_for_slot() -> None:
+        with gate.slot(2, 0, 60.0):
+            admitted.set()
+
+    holder, waiter = threading.Thread(target=hold), threading.Thread(target=wait_for_slot)
+    holder.start()
+    try:
+        assert held.wait(10)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while not os.listdir(folder / "waiting") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        holding, waiting = os.listdir(folder / "holding"), os.listdir(folder / "waiting")
+        assert len(holding) == 1 and len(waiting) == 1, (holding, waiting)
+        proc = run_as(job_user.pw_name, [PYTHON, "-c", SLOT_ATTACK, str(folder),
+                                          str(folder / "holding" / holding[0]),
+                                          str(folder / "waiting" / waiting[0])])
+        assert proc.returncode == 0, proc.stderr
+        tries = json.loads(proc.stdout)
+        assert tries == dict.fromkeys(["list", "queue", "lock", "wake", "remove", "take"], "EACCES"), tries
+        # the waiter looks again every 0.2 s: a wake-up or a theft would show within this
+        assert not admitted.wait(1.0), "the waiting checkpoint was let in while the slot was held"
+        assert (os.listdir(folder / "holding"), os.listdir(folder / "waiting")) == (holding, waiting)
+    finally:
+        release.set()
+        holder.join(30)
+        if waiter.ident is not None:
+            waiter.join(30)
+        shutil.rmtree(spool.node_folder(config.paths.spool_dir, node), ignore_errors=True)
+    assert admitted.is_set(), "the waiter never got the slot once it was given back"
