@@ -1,5 +1,6 @@
 """Preemption under pressure: several jobs of each node preempted at once, with the node's dump
-slots (`preemption.concurrent_dumps`) at each of the given values, side by side in one run.
+slots (`preemption.concurrent_dumps`) at each of the given values, and the waiting trees frozen or
+training on (`preemption.freeze_waiting`), side by side in one run.
 
 Per round, the job user submits --jobs-per-node basic jobs to each of --nodes (the reference
 workload, examples/train_reference.py, one GPU each, --ballast MiB of memory each) under
@@ -17,7 +18,8 @@ every GPU of those nodes preempts them all at once. Each job's output file is po
 
 and for the round, from the premium job's submission: the last job stopped, and the premium job
 RUNNING. The requeued jobs are cancelled after each round (they are not restored here; see
-checkpoint_restore.py for restores). The configuration file's concurrent_dumps is set for each round
+checkpoint_restore.py for restores). The configuration file's concurrent_dumps and freeze_waiting
+are set for each round
 (agents read it when a job starts) and put back as it was at the end. Run as root on an
 otherwise idle dev cluster; see benchmarks/README.md.
 """
@@ -103,6 +105,7 @@ class JobRun:
 @dataclass
 class Round:
     slots: int
+    frozen: bool = True  # the trees that wait for a slot are frozen meanwhile
     jobs: list[JobRun] = field(default_factory=list)
     premium_id: int | None = None
     all_stopped_s: float | None = None  # premium submitted -> the last job's "requeued" line
@@ -124,7 +127,7 @@ def summary_row(r: Round, warn_time: int) -> dict[str, object]:
     stops = [s for j in r.jobs if (s := j.stop_s()) is not None]
     saves = [j.committed_s for j in r.jobs if j.committed_s is not None]
     return {
-        "concurrent_dumps": r.slots or "no limit", "jobs": len(r.jobs),
+        "concurrent_dumps": r.slots or "no limit", "waiting": _waiting(r), "jobs": len(r.jobs),
         "warning -> stopped: median / max s": spread(stops),
         "waited: median / max s": spread([j.waited_s for j in r.jobs]),
         "checkpoint: median / max s": spread(saves),
@@ -133,6 +136,10 @@ def summary_row(r: Round, warn_time: int) -> dict[str, object]:
         "premium submitted -> running s": _num(r.premium_running_s),
         "note": r.note,
     }
+
+
+def _waiting(r: Round) -> str:
+    return "n/a" if not r.slots else "frozen" if r.frozen else "training"
 
 
 def _num(value: float | None) -> str:
@@ -149,7 +156,7 @@ def format_report(meta: dict[str, object], rounds: Sequence[Round], warn_time: i
     for r in rounds:
         per = ", ".join(f"{j.job_id}@{j.node} {_num(j.stop_s())}/{j.waited_s:.1f}/{_num(j.committed_s)}"
                         for j in sorted(r.jobs, key=lambda j: (j.stopped_at or 1e18)))
-        lines.append(f"- concurrent_dumps {r.slots or 'no limit'}: {per}")
+        lines.append(f"- concurrent_dumps {r.slots or 'no limit'}, waiting {_waiting(r)}: {per}")
     lines += ["", f"- a job misses when its \"requeued\" line comes more than warn_time ({warn_time}s) "
               "after its warning, or never (Slurm killed it at the end of GraceTime)",
               "- times are taken by the benchmark polling every 0.1 s; compare rows of one run", ""]
@@ -168,10 +175,11 @@ def premium_script(nodes: Sequence[str], gpus: int) -> str:
             f"#SBATCH -w {','.join(nodes)}\n#SBATCH --gres=gpu:{gpus}\n#SBATCH -o premium-%j.out\nsleep 5\n")
 
 
-def set_preemption(text: str, **settings: int) -> str:
+def set_preemption(text: str, **settings: int | bool) -> str:
     """The configuration file's text with these keys of [preemption] set."""
     for key, value in settings.items():
-        line, pattern = f"{key} = {value}", re.compile(SETTING.format(key), re.M)
+        shown = str(value).lower() if isinstance(value, bool) else str(value)
+        line, pattern = f"{key} = {shown}", re.compile(SETTING.format(key), re.M)
         if pattern.search(text):
             text = pattern.sub(line, text, count=1)
         elif re.search(r"^\[preemption\]\s*$", text, re.M):
@@ -179,6 +187,15 @@ def set_preemption(text: str, **settings: int) -> str:
         else:
             text = text.rstrip("\n") + f"\n\n[preemption]\n{line}\n"
     return text
+
+
+def parse_round(text: str) -> tuple[int, bool]:
+    """(concurrent_dumps, freeze_waiting) of a round given as N or N/training."""
+    number, _, waiting = text.partition("/")
+    slots = int(number)
+    if not 0 <= slots <= 1024 or waiting not in ("", "training"):
+        raise ValueError(text)
+    return slots, waiting != "training"
 
 
 class Bench:
@@ -207,16 +224,16 @@ class Bench:
                 raise CannotStart("the dev cluster's jobs did not end after the round")
             time.sleep(0.5)
 
-    def round(self, slots: int, nodes: Sequence[str], per_node: int, gpus: int, steps: int,
+    def round(self, slots: int, frozen: bool, nodes: Sequence[str], per_node: int, gpus: int, steps: int,
               sleep: float, ballast: int, preempt_at: int, timeout: float, ctl: str, python: str) -> Round:
-        result = Round(slots)
+        result = Round(slots, frozen)
         for node in nodes:
             for _ in range(per_node):
                 script = training_script(ctl, python, node, steps, sleep, ballast)
                 job = self.submit(f"train-{node}.sh", script)
                 result.jobs.append(JobRun(job, node, self.folder / f"train-{job}.out"))
         ids = ", ".join(str(j.job_id) for j in result.jobs)
-        self.say(f"concurrent_dumps {slots or 'no limit'}: jobs {ids}")
+        self.say(f"concurrent_dumps {slots or 'no limit'}, waiting {_waiting(result)}: jobs {ids}")
         limit = time.monotonic() + timeout
         while True:
             now = time.monotonic()
@@ -251,8 +268,10 @@ class Bench:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--slots", default="0,1,2", show_default=True,
-              help="preemption.concurrent_dumps of each round, comma-separated (0: no limit).")
+@click.option("--slots", default="0,2/training,2", show_default=True,
+              help="The rounds, comma-separated: preemption.concurrent_dumps of each (0: no limit), "
+                   "followed by /training where the trees that wait for a slot train on "
+                   "(freeze_waiting = false; by default they are frozen).")
 @click.option("--nodes", default="n1,n2", show_default=True, help="Nodes whose jobs are preempted.")
 @click.option("--jobs-per-node", default=4, show_default=True, help="Basic jobs per node (one GPU each).")
 @click.option("--gpus", default=4, show_default=True, help="GPUs per node (the premium job takes them all).")
@@ -271,11 +290,10 @@ def main(slots: str, nodes: str, jobs_per_node: int, gpus: int, ballast: int, st
     stamp = time.strftime("%Y%m%d-%H%M%S")
     slurm = SlurmClient()
     try:
-        values = [int(v) for v in slots.split(",")]
-        if not values or any(not 0 <= v <= 1024 for v in values):
-            raise ValueError
+        values = [parse_round(v) for v in slots.split(",")]
     except ValueError as exc:
-        raise click.ClickException(f"--slots takes numbers 0..1024, comma-separated, not {slots!r}") from exc
+        raise click.ClickException(f"--slots takes rounds N or N/training (N 0..1024), comma-separated, "
+                                   f"not {slots!r}") from exc
     if os.geteuid() != 0:
         raise click.ClickException("run it as root: it edits the configuration and submits as the job user")
     config_file = config_mod.config_path()
@@ -298,17 +316,17 @@ def main(slots: str, nodes: str, jobs_per_node: int, gpus: int, ballast: int, st
     done: list[Round] = []
     bench: Bench | None = None
     try:
-        for index, value in enumerate(values):
+        for index, (value, frozen) in enumerate(values):
             folder = home / f"bench-many-{stamp}" / f"slots-{value}-{index}"
             folder.mkdir(parents=True)
             for path in (folder.parent, folder):
                 os.chown(path, owner.pw_uid, owner.pw_gid)
             shutil.copy(REPO / "examples" / "train_reference.py", folder)
             os.chown(folder / "train_reference.py", owner.pw_uid, owner.pw_gid)
-            config_file.write_text(set_preemption(original, concurrent_dumps=value))
+            config_file.write_text(set_preemption(original, concurrent_dumps=value, freeze_waiting=frozen))
             bench = Bench(slurm, user, folder, _say)
             try:
-                done.append(bench.round(value, node_list, jobs_per_node, gpus, steps, step_sleep,
+                done.append(bench.round(value, frozen, node_list, jobs_per_node, gpus, steps, step_sleep,
                                         ballast, preempt_at, timeout, ctl, python))
             finally:
                 bench.cancel_all()

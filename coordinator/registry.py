@@ -189,11 +189,12 @@ class Registry:
 
     def record_checkpoint(self, job_id: int, summary: dict, stop: bool | None = None,
                           dump_seconds: float | None = None, frozen_seconds: float | None = None,
-                          cut_seconds: float | None = None, waited_seconds: float | None = None) -> None:
+                          cut_seconds: float | None = None, waited_seconds: float | None = None,
+                          waited_frozen: bool = False) -> None:
         """Index a committed checkpoint (the store stays the truth; this only serves `status` and
         the SLA accounting: how long it took, when its dump ended, how long criu kept the tree frozen,
         how long the ranks took to reach the cut before it, how long it waited for one of the node's
-        dump slots, whether the tree stays stopped)."""
+        dump slots and whether it was frozen meanwhile, whether the tree stays stopped)."""
         pipe = self.redis.pipeline()
         pipe.rpush(keys.job_checkpoints(job_id), entry_json(summary))
         pipe.ltrim(keys.job_checkpoints(job_id), -MAX_CHECKPOINTS, -1)
@@ -203,6 +204,7 @@ class Registry:
                      "dump_seconds": dump_seconds, "frozen_seconds": frozen_seconds,
                      **({"cut_seconds": cut_seconds} if cut_seconds is not None else {}),
                      **({"waited_seconds": waited_seconds} if waited_seconds else {}),
+                     **({"waited_frozen": True} if waited_frozen and waited_seconds else {}),
                      "time": self.clock()}, pipe)
         pipe.execute()
 

@@ -619,11 +619,18 @@ class AgentState:
 
         cut_seconds: float | None = None
         within_s = self._time_left(stop)
+        # A tree that stops anyway is frozen while it waits for a dump slot: the waiting trees then
+        # leave the node's cores to the dumps that are due first. Only a node's one tree, alone in
+        # its cgroup: another tree of the job's could be in criu's hands meanwhile.
+        freeze = stop and len(trees) == 1 and self.engine.config.preemption.freeze_waiting
+        still = jobcgroup.freezable(self.cgroups) if freeze else []
+        pause = (lambda: jobcgroup.frozen(still)) if still else None
 
         def dump(tree: Tree) -> dict:
             return tree.engine.checkpoint(self.job_id, self.job_uid, tree.init_pid, reason=reason,
                                           stop=stop, generation=generation, run=run, common=common,
-                                          size=self.size, cut_seconds=cut_seconds, within_s=within_s)
+                                          size=self.size, cut_seconds=cut_seconds, within_s=within_s,
+                                          pause=pause)
 
         try:
             cut_seconds = self._quiesce()
@@ -963,6 +970,8 @@ def main(argv: list[str] | None = None) -> int:
         rank_dir = str(rank_socket_dir(engine.config.paths.state_dir))
     # Trees an earlier agent of the job started here and could not end (it was killed, and a later
     # step of the job started this one): nothing manages them any more.
+    for extern in jobcgroup.noted_externs(args.socket.parent, args.job_id):
+        jobcgroup.thaw(extern / jobcgroup.SHELTER)  # one frozen while it waited for a dump slot
     orphans = services.end_trees(args.socket.parent)
     if orphans.ended or orphans.left:
         LOG.warning("job %s node %s: ended trees %s of an earlier agent%s", args.job_id, args.node,

@@ -7,6 +7,8 @@ once (0: no limit); the others wait, earliest deadline first (a preemption's dea
 warning's time + `preemption.warn_time`, when Slurm kills the job; a checkpoint without one, a
 periodic checkpoint, goes after every one that has a deadline), then in the order they came.
 Each checkpoint's summary says how long it waited (`waited_s`), and the job's output says it too.
+A checkpoint may bring a `pause` that holds its tree still while it waits (the agent freezes a
+stopping tree's cgroup: jobs that only wait then leave the cores to the dumps that are due).
 
 The slots are a folder of root's in the node's spool (spool_dir/<node>/dump-slots): the agents
 of the node's jobs are separate processes. A checkpoint that wants a slot binds a datagram socket
@@ -145,8 +147,11 @@ class DumpGate:
         return fds[0], fds[1], fds[2]
 
     @contextlib.contextmanager
-    def slot(self, job_id: int, tree: int, within_s: float | None) -> Iterator[float]:
-        """Hold one of the node's slots for the body; yields the seconds waited for it."""
+    def slot(self, job_id: int, tree: int, within_s: float | None,
+             pause: Callable[[], contextlib.AbstractContextManager] | None = None) -> Iterator[float]:
+        """Hold one of the node's slots for the body; yields the seconds waited for it. `pause`:
+        what holds the tree still while it has to wait (entered once the first look finds no slot
+        free, left when its slot is taken, before the body)."""
         if self.slots <= 0:
             yield 0.0
             return
@@ -164,10 +169,13 @@ class DumpGate:
                 # Bound through the folder's descriptor: a socket path is at most 107 bytes.
                 sock.bind(f"/proc/self/fd/{waiting}/{me.name}")
                 sock.setblocking(False)
-                waited = self._wait(me, sock, lock, waiting, holding) - asked
+                with contextlib.ExitStack() as paused:
+                    hold = (lambda: paused.enter_context(pause())) if pause is not None else None
+                    taken = self._wait(me, sock, lock, waiting, holding, hold)
+                    held = True
+                waited = taken - asked
             except OSError as exc:
                 raise CheckpointError(f"cannot take one of the node's dump slots: {exc}") from exc
-            held = True
             if waited >= 0.05:
                 LOG.info("job %s tree %s: a dump slot after %.2fs", job_id, tree, waited)
             yield waited
@@ -204,8 +212,11 @@ class DumpGate:
                 os.unlink(name, dir_fd=folder)
         return found
 
-    def _wait(self, me: Ticket, sock: socket.socket, lock: int, waiting: int, holding: int) -> float:
-        """Wait for `me`'s turn and take its slot; returns the clock's time then."""
+    def _wait(self, me: Ticket, sock: socket.socket, lock: int, waiting: int, holding: int,
+              hold: Callable[[], object] | None = None) -> float:
+        """Wait for `me`'s turn and take its slot; returns the clock's time then. `hold` is called
+        once, when the first look finds no slot for `me`."""
+        first = True
         while True:
             with self._locked(lock):
                 queue = self._tickets(waiting)
@@ -214,6 +225,9 @@ class DumpGate:
                 if admitted(me, queue, len(self._tickets(holding)), self.slots):
                     os.rename(me.name, me.name, src_dir_fd=waiting, dst_dir_fd=holding)
                     return self.clock()
+            if first and hold is not None:
+                hold()
+            first = False
             select.select([sock], [], [], self.liveness_s)
             with contextlib.suppress(BlockingIOError):
                 while True:

@@ -262,27 +262,40 @@ class CheckpointEngine:
     def checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                    generation: str | None = None, run: str | None = None,
                    common: list[str] | None = None, size: dict[str, int] | None = None,
-                   cut_seconds: float | None = None, within_s: float | None = None) -> dict[str, Any]:
+                   cut_seconds: float | None = None, within_s: float | None = None,
+                   pause: Callable[[], contextlib.AbstractContextManager[list[Path]]] | None = None
+                   ) -> dict[str, Any]:
         """Dump the tree and commit it, in one of the node's dump slots (see node.dumpgate). For a
         multi-tree checkpoint, `common` lists the generations every tree committed (newest first;
         None: not known, and nothing of this run is pruned); `size`: a distributed job's ranks,
         devices and nodes, which the checkpoint records; `cut_seconds`: how long its ranks took to
         reach the cut just before (the accounting counts the job stopped from the cut's start);
         `within_s`: seconds left until the checkpoint must be done (Slurm's kill), None: no deadline.
-        The summary's `waited_s`: the seconds it waited for a slot (not in its `seconds`)."""
+        `pause`: what holds the tree still while it waits for a slot (jobcgroup.frozen of its
+        cgroups; it yields those it froze). The summary's `waited_s`: the seconds it waited for a
+        slot (not in its `seconds`)."""
         # The node's dump slots, shared by the agents of its jobs: a folder, no state of the engine's.
         gate = dumpgate.DumpGate(lambda: spool.slots_folder(self.config.paths.spool_dir, self.node),
                                  self.config.preemption.concurrent_dumps)
-        with gate.slot(job_id, self.rank, within_s) as waited:
+        froze: list[Path] = []
+
+        @contextlib.contextmanager
+        def hold() -> Iterator[None]:
+            assert pause is not None
+            with pause() as frozen:
+                froze.extend(frozen)
+                yield
+
+        with gate.slot(job_id, self.rank, within_s, hold if pause is not None else None) as waited:
             summary = self._checkpoint_now(job_id, uid, init_pid, reason, stop, generation, run, common,
-                                           size, cut_seconds, waited)
+                                           size, cut_seconds, waited, bool(froze))
         self._prune_later(job_id, summary["seq"], generation, run, common)
         return {**summary, "waited_s": round(waited, 3)}
 
     def _checkpoint_now(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                         generation: str | None, run: str | None, common: list[str] | None,
                         size: dict[str, int] | None, cut_seconds: float | None,
-                        waited: float) -> dict[str, Any]:
+                        waited: float, waited_frozen: bool = False) -> dict[str, Any]:
         started = time.monotonic()
         work = spool.work_folder(self.config.paths.spool_dir, self.node, job_id,
                                  f"dump-{self.rank}-{int(time.time() * 1000)}")
@@ -291,7 +304,7 @@ class CheckpointEngine:
                 spool.check_room(work, spool.tree_bytes(jobcgroup.tree(init_pid), self.criu.share_cow),
                                  f"a full dump of job {job_id}'s tree")
             return self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started,
-                                    size, cut_seconds, waited)
+                                    size, cut_seconds, waited, waited_frozen)
         except Exception as exc:
             self.track_base = None  # whatever the trackers say now is relative to no committed dump
             error = str(exc)
@@ -361,7 +374,7 @@ class CheckpointEngine:
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                     generation: str | None, run: str | None, work: Path, started: float,
                     size: dict[str, int] | None = None, cut_seconds: float | None = None,
-                    waited: float = 0.0) -> dict[str, Any]:
+                    waited: float = 0.0, waited_frozen: bool = False) -> dict[str, Any]:
         output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
         faults.point(self.config, "dump", self.node)
         external = self._external_mounts(init_pid)
@@ -398,7 +411,8 @@ class CheckpointEngine:
         summary = summarize(manifest, time.monotonic() - started)
         self._index(lambda registry: registry.record_checkpoint(
             job_id, summary, stop=stop, dump_seconds=manifest.meta.get("dump_seconds"),
-            frozen_seconds=frozen, cut_seconds=cut_seconds, waited_seconds=round(waited, 3)))
+            frozen_seconds=frozen, cut_seconds=cut_seconds, waited_seconds=round(waited, 3),
+            waited_frozen=waited_frozen))
         return {**summary, "notices": local.notices} if local.notices else summary
 
     def _external_mounts(self, init_pid: int) -> dict[str, str]:

@@ -32,15 +32,18 @@ lifetime; that tree is not contained.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import stat
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from singularity_slurm.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,73 @@ def thaw(cgroup: Path) -> None:
     die of SIGKILL until it is thawed."""
     _write_interface(cgroup, "freezer.state", b"THAWED")
     _write_interface(cgroup, "cgroup.freeze", b"0")
+
+
+def freezable(targets: Iterable[Path]) -> list[Path]:
+    """Of the cgroups a tree joined, those that hold it alone and are root's: its shelter (where the
+    shelter could not be had, the tree is in the extern step, which holds Slurm's own process too)."""
+    return [target for target in targets if target.name == SHELTER]
+
+
+def _interface(cgroup: Path) -> tuple[str, bytes, bytes] | None:
+    """(file, frozen, thawed) of the cgroup's freezer: v1's freezer.state, v2's cgroup.freeze."""
+    if (cgroup / "freezer.state").exists():
+        return "freezer.state", b"FROZEN", b"THAWED"
+    if (cgroup / "cgroup.freeze").exists():
+        return "cgroup.freeze", b"1", b"0"
+    return None
+
+
+def _put(cgroup: Path, name: str, value: bytes) -> str | None:
+    """Write an interface file (not following a link); None, or why it could not be written."""
+    try:
+        fd = os.open(cgroup / name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
+        os.write(fd, value)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        os.close(fd)
+    return None
+
+
+class ThawFailed(CheckpointError):
+    """A tree frozen while it waited could not be let run again: criu cannot seize a frozen task."""
+
+
+@contextlib.contextmanager
+def frozen(cgroups: Sequence[Path]) -> Iterator[list[Path]]:
+    """Freeze these cgroups (`freezable`'s) for the body and thaw them after it, whatever happened;
+    yields those that froze. The cgroup freezer is invisible to the processes (no signal, no state a
+    dump records): a tree frozen while it waits for a dump slot is dumped, once thawed, exactly as it
+    stood. A cgroup that cannot be frozen leaves its tree running, which costs only time; one that
+    froze and cannot be thawed raises ThawFailed (the Epilog's sweep thaws what is below the extern
+    step before it ends it)."""
+    done = []
+    try:
+        for cgroup in cgroups:
+            face = _interface(cgroup)
+            if face is not None and _put(cgroup, face[0], face[1]) is None:
+                done.append(cgroup)
+        yield done
+    finally:
+        problems = []
+        for cgroup in done:
+            name, _, thawed = _interface(cgroup) or ("freezer.state", b"", b"THAWED")
+            problem = _put(cgroup, name, thawed)
+            if problem is None:
+                try:
+                    if (cgroup / name).read_bytes().strip() != thawed:
+                        problem = "it is still frozen (a cgroup above it is)"
+                except OSError as exc:
+                    problem = exc.strerror or str(exc)
+            if problem is not None:
+                problems.append(f"{cgroup}: {problem}")
+        if problems:
+            raise ThawFailed(f"the job's tree was frozen while it waited and cannot be thawed: "
+                             f"{'; '.join(problems)}")
 
 
 def _kill_member(pid: int, cgroup: Path) -> bool:

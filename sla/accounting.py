@@ -122,8 +122,9 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
       checkpoint began, `seconds` before `time`), or where criu's figure is missing when the
       checkpoint began; a distributed job's ranks stop earlier, when they began to reach their cut
       (`cut_seconds` before the checkpoint began), and wait there until every rank's image is
-      committed (`time`); a stopping one ends the node's running there, another only until its
-      dump ended (a distributed job's: until its commit);
+      committed (`time`); a tree frozen while it waited for a dump slot (`waited_frozen`) stopped
+      `waited_seconds` before the checkpoint began; a stopping one ends the node's running there,
+      another only until its dump ended (a distributed job's: until its commit);
     - `node_start`, `node_end`: the node's running ends (a new allocation, the job's end there); in a
       job with no `running` event at all (its script never ran `singularityctl run`), a node's
       start begins its running, on its `gpus` (or 1).
@@ -162,6 +163,8 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
             if event.get("cut_seconds") is not None:
                 # the ranks park at the cut, and resume once every rank's image is committed
                 freeze, dumped = began - _seconds(event, "cut_seconds"), max(at, dumped)
+            if event.get("waited_frozen") is True:
+                freeze = min(freeze, began - _seconds(event, "waited_seconds"))
             stop = event.get("stop")
             if stop is None:
                 stop = event.get("reason") in STOPPING_REASONS

@@ -43,6 +43,7 @@ class PreemptionConfig:
     signal: str  # name without the SIG prefix, as Slurm's --signal takes it
     warn_time: int  # seconds between the warning signal and the kill
     concurrent_dumps: int = 2  # checkpoints one node dumps and stores at once; 0: no limit
+    freeze_waiting: bool = True  # a stopping tree is frozen while it waits for a dump slot
 
     @property
     def sbatch_signal(self) -> str:
@@ -246,6 +247,9 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "preemption.concurrent_dumps": (PreemptionConfig.concurrent_dumps, int,
                                     "checkpoints one node dumps and stores at once (0..1024, 0 = no limit); "
                                     "the others wait, earliest kill first (see node/dumpgate.py)"),
+    "preemption.freeze_waiting": (PreemptionConfig.freeze_waiting, bool,
+                                  "a stopping checkpoint's tree is frozen (cgroup freezer) while it waits "
+                                  "for a dump slot, leaving the node's cores to the dumps due first"),
     "redis.host": ("127.0.0.1", str, "Redis host of the coordinator"),
     "redis.port": (6379, int, "Redis port"),
     "redis.db": (0, int, "Redis database number"),
@@ -404,7 +408,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         )
 
     pre_raw = data.get("preemption", {})
-    _check_keys(pre_raw, {"signal", "warn_time", "concurrent_dumps"}, "preemption")
+    _check_keys(pre_raw, {"signal", "warn_time", "concurrent_dumps", "freeze_waiting"}, "preemption")
     sig = _take(pre_raw, "signal", "preemption", str, "URG").upper().removeprefix("SIG")
     if f"SIG{sig}" not in signal.Signals.__members__ or sig in {"KILL", "STOP"}:
         raise ConfigError(
@@ -419,6 +423,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     if not 0 <= concurrent_dumps <= 1024:
         raise ConfigError(f"preemption.concurrent_dumps must be 0..1024 (0: no limit), "
                           f"got {concurrent_dumps}")
+    freeze_waiting = _take(pre_raw, "freeze_waiting", "preemption", bool, PreemptionConfig.freeze_waiting)
 
     redis_raw = data.get("redis", {})
     _check_keys(redis_raw, {"host", "port", "db", "password_file", "socket"}, "redis")
@@ -544,7 +549,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
     return Config(
         default_tier=default_tier,
         tiers=tiers,
-        preemption=PreemptionConfig(signal=sig, warn_time=warn_time, concurrent_dumps=concurrent_dumps),
+        preemption=PreemptionConfig(signal=sig, warn_time=warn_time, concurrent_dumps=concurrent_dumps,
+                                    freeze_waiting=freeze_waiting),
         redis=RedisConfig(
             host=_take(redis_raw, "host", "redis", str, "127.0.0.1"),
             port=port,

@@ -663,6 +663,41 @@ def test_a_stopping_checkpoints_deadline_comes_from_slurm_not_from_the_users_req
         state.op_kill({})
 
 
+def test_a_stopping_checkpoint_of_the_nodes_one_tree_is_frozen_while_it_waits_and_no_other_is(
+        socket_dir: Path, tmp_path: Path, node_proxies) -> None:
+    from singularity_slurm.config import parse
+    from singularity_slurm.node import jobcgroup
+
+    node_proxies(["gpu0"])
+    engine = RankEngine({})
+    engine.slurm = SimpleNamespace(preempt_time=lambda job_id: None)
+    engine.config = parse({})
+    pauses: list[object] = []
+    dump = engine.checkpoint
+    engine.checkpoint = lambda *args, **kwargs: pauses.append(kwargs["pause"]) or dump(*args, **kwargs)
+    extern = tmp_path / "freezer" / "job_7" / "step_extern"
+    shelter = extern / jobcgroup.SHELTER
+    shelter.mkdir(parents=True)
+    (shelter / "freezer.state").write_text("THAWED")
+    state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=socket_dir)
+    try:
+        start = {**START, "proxy": {"generation": "g1", "placement": {"0": "n9/gpu0"}}}
+        assert state.handle(start, JOB_UID)["ok"]
+        state.proxies = {}
+        state.cgroups = [shelter, tmp_path / "memory" / "job_7" / "step_extern"]
+        assert state.handle({"op": "checkpoint", "reason": "periodic", "generation": "0.4"}, JOB_UID)["ok"]
+        assert state.handle({"op": "checkpoint", "reason": "preempt", "stop": True, "generation": "0.5"},
+                            JOB_UID)["ok"]
+        keeps_running, stops = pauses
+        assert keeps_running is None  # a periodic checkpoint's tree trains on while it waits
+        with stops() as froze:  # what the dump slot enters while this tree waits
+            assert froze == [shelter]  # the shelter alone: never the extern step Slurm's process is in
+            assert (shelter / "freezer.state").read_text() == "FROZEN"
+        assert (shelter / "freezer.state").read_text() == "THAWED"
+    finally:
+        state.op_kill({})
+
+
 def test_generations_of_named_ranks_come_from_each_ranks_store(tmp_path: Path) -> None:
     class Stores(RecordingEngine):
         def rank_generations(self, job_id: int, ranks: list[int], run: str | None) -> dict:

@@ -168,7 +168,8 @@ def test_unknown_redis_key_lists_valid_redis_keys() -> None:
 
 def test_unknown_preemption_key_lists_valid_keys() -> None:
     assert config_error({"preemption": {"warntime": 30}}) == (
-        "unknown key(s) in [preemption]: warntime; valid keys: concurrent_dumps, signal, warn_time"
+        "unknown key(s) in [preemption]: warntime; valid keys: concurrent_dumps, freeze_waiting, signal, "
+        "warn_time"
     )
 
 
@@ -181,6 +182,13 @@ def test_concurrent_dumps_out_of_range_is_refused(value: int) -> None:
 def test_concurrent_dumps_default_to_two_and_zero_lifts_the_limit() -> None:
     assert parse({}).preemption.concurrent_dumps == 2
     assert parse({"preemption": {"concurrent_dumps": 0}}).preemption.concurrent_dumps == 0
+
+
+def test_waiting_trees_are_frozen_unless_switched_off_and_the_switch_is_a_boolean() -> None:
+    assert parse({}).preemption.freeze_waiting is True
+    assert parse({"preemption": {"freeze_waiting": False}}).preemption.freeze_waiting is False
+    assert "preemption.freeze_waiting must be bool, got 'no' (str)" in config_error(
+        {"preemption": {"freeze_waiting": "no"}})
 
 
 def test_unknown_paths_key_lists_valid_keys() -> None:

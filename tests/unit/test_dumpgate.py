@@ -3,12 +3,14 @@ node's agents (real threads and processes on a real folder), and a dead holder f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,71 @@ def test_without_a_limit_no_folder_is_used(tmp_path: Path) -> None:
         assert waited == 0.0
     assert not (tmp_path / "nowhere").exists()
 
+
+
+def test_a_checkpoint_that_must_wait_is_paused_until_its_slot_and_one_that_need_not_is_never(
+        tmp_path: Path) -> None:
+    gate = DumpGate(slots_folder(tmp_path), 1, liveness_s=5.0)
+    events: list[str] = []
+    holding, release = threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def pause(name: str) -> Iterator[list[Path]]:
+        events.append(f"{name} paused")
+        yield []
+        events.append(f"{name} resumed")
+
+    def dump(name: str, hold: bool = False) -> None:
+        with gate.slot(1, 0, 10.0, lambda: pause(name)):
+            events.append(f"{name} dumps")
+            if hold:
+                holding.set()
+                release.wait(WAIT_S)
+
+    first = threading.Thread(target=dump, args=("first", True))
+    first.start()
+    assert holding.wait(WAIT_S)
+    second = threading.Thread(target=dump, args=("second",))
+    second.start()
+    until(lambda: "second paused" in events, "the second one is paused")
+    release.set()
+    for thread in (first, second):
+        thread.join(WAIT_S)
+    assert events == ["first dumps", "second paused", "second resumed", "second dumps"]
+
+
+def test_a_pause_that_cannot_end_fails_the_checkpoint_and_gives_the_slot_back(tmp_path: Path) -> None:
+    gate = DumpGate(slots_folder(tmp_path), 1, liveness_s=5.0)
+    holding, release = threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def stuck() -> Iterator[list[Path]]:
+        yield []
+        raise CheckpointError("cannot be thawed")
+
+    def hold() -> None:
+        with gate.slot(1, 0, 10.0):
+            holding.set()
+            release.wait(WAIT_S)
+
+    first = threading.Thread(target=hold)
+    first.start()
+    assert holding.wait(WAIT_S)
+    failed: list[Exception] = []
+
+    def second() -> None:
+        try:
+            with gate.slot(2, 0, 10.0, stuck):
+                raise AssertionError("a tree that could not be thawed was dumped")
+        except CheckpointError as exc:
+            failed.append(exc)
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    until(lambda: len(os.listdir(tmp_path / "dump-slots" / "waiting")) == 1, "the second one waits")
+    release.set()
+    for thread in (first, waiter):
+        thread.join(WAIT_S)
+    assert [str(e) for e in failed] == ["cannot be thawed"]
+    assert os.listdir(tmp_path / "dump-slots" / "holding") == []
+    assert os.listdir(tmp_path / "dump-slots" / "waiting") == []

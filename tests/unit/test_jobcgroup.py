@@ -252,3 +252,63 @@ def test_the_sweep_ends_frozen_and_running_processes_below_the_extern_step_and_r
                 folder.rmdir()
             except OSError:
                 pass
+
+
+def _freezer_root() -> Path | None:
+    """A cgroup hierarchy this test may make a cgroup in (as root): v1's freezer, or v2's."""
+    if os.geteuid() != 0:
+        return None
+    if Path("/sys/fs/cgroup/freezer/tasks").exists():
+        return Path("/sys/fs/cgroup/freezer")
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        return Path("/sys/fs/cgroup")
+    return None
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(_freezer_root() is None, reason="needs root and a cgroup freezer")
+def test_a_frozen_shelter_stops_its_tree_until_it_is_thawed() -> None:
+    root = _freezer_root()
+    assert root is not None
+    cgroup = root / f"singularity-test-{os.getpid()}" / jobcgroup.SHELTER
+    cgroup.mkdir(parents=True)
+    busy = subprocess.Popen(["python3", "-c", "while True: pass"])
+    try:
+        (cgroup / "cgroup.procs").write_text(f"{busy.pid}\n")
+        assert jobcgroup.freezable([cgroup.parent, cgroup]) == [cgroup]
+        with jobcgroup.frozen([cgroup]) as froze:
+            assert froze == [cgroup]
+            time.sleep(0.3)  # the freezer's work is asynchronous: let it finish
+            ticks = _cpu_ticks(busy.pid)
+            time.sleep(0.5)
+            assert _cpu_ticks(busy.pid) == ticks, "the frozen tree ran"
+        ticks = _cpu_ticks(busy.pid)
+        deadline = time.monotonic() + 10
+        while _cpu_ticks(busy.pid) == ticks:
+            assert time.monotonic() < deadline, "the thawed tree does not run"
+            time.sleep(0.05)
+    finally:
+        busy.kill()
+        busy.wait()
+        cgroup.rmdir()
+        cgroup.parent.rmdir()
+
+
+def test_a_cgroup_without_a_freezer_is_left_running_and_one_that_stays_frozen_fails(tmp_path: Path) -> None:
+    plain = tmp_path / "plain" / jobcgroup.SHELTER
+    plain.mkdir(parents=True)
+    with jobcgroup.frozen([plain]) as froze:
+        assert froze == []
+    stuck = tmp_path / "stuck" / jobcgroup.SHELTER
+    stuck.mkdir(parents=True)
+    (stuck / "freezer.state").write_text("THAWED\n")
+    with pytest.raises(jobcgroup.ThawFailed, match="cannot be thawed"):
+        with jobcgroup.frozen([stuck]) as froze:
+            assert froze == [stuck]
+            assert (stuck / "freezer.state").read_text().strip() == "FROZEN"
+            (stuck / "freezer.state").unlink()
+            (stuck / "freezer.state").mkdir()  # a thaw that cannot be written

@@ -131,6 +131,18 @@ def test_criu_s_own_frozen_time_places_the_stop_where_the_tree_was_frozen() -> N
         Segment(0, 42, 1)]
 
 
+def test_a_tree_frozen_while_it_waited_for_a_dump_slot_stopped_when_it_began_to_wait() -> None:
+    # its checkpoint began at 40, after 12 s of waiting for a slot: frozen from 28 on
+    preempt = ev("checkpoint", 50, reason="preempt", seconds=10, stop=True, dump_seconds=3, frozen_seconds=1,
+                 waited_seconds=12, waited_frozen=True)
+    assert segments_from_events([ev("running", 0, devices=1), preempt, ev("node_end", 51)], 1) == [
+        Segment(0, 28, 1)]
+    # one that ran on while it waited stopped when criu froze it
+    ran_on = {k: v for k, v in preempt.items() if k != "waited_frozen"}
+    assert segments_from_events([ev("running", 0, devices=1), ran_on, ev("node_end", 51)], 1) == [
+        Segment(0, 42, 1)]
+
+
 def test_a_distributed_job_stops_from_its_cut_until_its_images_are_committed() -> None:
     # its checkpoint began at 40, after 2.5 s of bringing the ranks to the cut, where they waited
     # until the image was committed at 50
