@@ -100,6 +100,11 @@ def job_events(job_id_: int | str) -> str:
     return f"{PREFIX}:job:{job_id(job_id_)}:events"
 
 
+def job_events_total(job_id_: int | str) -> str:
+    """Counter: the events ever appended to the job's history (more than it holds: some were dropped)."""
+    return f"{PREFIX}:job:{job_id(job_id_)}:events:total"
+
+
 def jobs() -> str:
     """Sorted set: every job id we know, scored by its last update time."""
     return f"{PREFIX}:jobs"

@@ -124,11 +124,13 @@ class Registry:
         self.clock = clock
 
     def _event(self, job_id: int, event: dict, pipe: Any = None) -> None:
-        """Append one event (bounded) to the job's list, which keeps the last MAX_EVENTS; in `pipe`
-        where one is given, else at once."""
+        """Append one event (bounded) to the job's list, which keeps the last MAX_EVENTS, and count
+        it (three commands, in `pipe` where one is given, else at once): the job's record then says
+        how many of its events were dropped (`events_dropped`)."""
         run = pipe if pipe is not None else self.redis.pipeline()
         run.rpush(keys.job_events(job_id), entry_json(event))
         run.ltrim(keys.job_events(job_id), -MAX_EVENTS, -1)
+        run.incr(keys.job_events_total(job_id))
         if pipe is None:
             run.execute()
 
@@ -165,7 +167,8 @@ class Registry:
         pipe.zadd(keys.jobs(), {str(start.job_id): now})
         pipe.zremrangebyscore(keys.jobs(), "-inf", now - RECORD_TTL_S)
         for key in (keys.job(start.job_id), keys.job_nodes(start.job_id), keys.job_events(start.job_id),
-                    keys.job_checkpoints(start.job_id), keys.job_node(start.job_id, start.node)):
+                    keys.job_events_total(start.job_id), keys.job_checkpoints(start.job_id),
+                    keys.job_node(start.job_id, start.node)):
             pipe.persist(key)
         pipe.execute()
 
@@ -177,13 +180,14 @@ class Registry:
         pipe.srem(keys.job_nodes(job_id), node)
         pipe.scard(keys.job_nodes(job_id))
         self._event(job_id, {"event": "node_end", "node": node, "time": ended_at}, pipe)
-        _, _, remaining, _, _ = pipe.execute()
+        remaining = pipe.execute()[2]
         if remaining == 0 and self.redis.exists(keys.job(job_id)):
             pipe = self.redis.pipeline()
             pipe.hset(keys.job(job_id), mapping={"state": "ended", "ended_at": ended_at,
                                                  "updated_at": now})
             pipe.zadd(keys.jobs(), {str(job_id): now})
-            for key in (keys.job(job_id), keys.job_events(job_id), keys.job_checkpoints(job_id)):
+            for key in (keys.job(job_id), keys.job_events(job_id), keys.job_events_total(job_id),
+                        keys.job_checkpoints(job_id)):
                 pipe.expire(key, RECORD_TTL_S)
             pipe.execute()
 
@@ -248,6 +252,7 @@ class Registry:
                 "gpu_inventory": json.loads(raw.get("gpu_inventory") or "null"),
             }
         events = [json.loads(e) for e in self.redis.lrange(keys.job_events(job_id), 0, -1)]
+        total = self.redis.get(keys.job_events_total(job_id))
         try:
             return {
                 "job_id": int(record["job_id"]),
@@ -265,6 +270,9 @@ class Registry:
                 "ended_at": float(record["ended_at"]) if "ended_at" in record else None,
                 "nodes": nodes,
                 "events": events,
+                # events pushed out of the list (its oldest): the SLA accounting then gives the job
+                # full service before the oldest it still has, so flooding its own history gains nothing
+                "events_dropped": max(int(total or 0) - len(events), 0),
                 "checkpoints": self.checkpoints(job_id),
             }
         except (KeyError, ValueError) as exc:

@@ -113,7 +113,8 @@ STOPPING_REASONS = frozenset({"preempt", "migrate", "resize", "requeue", "drain"
 """Checkpoint reasons after which the tree stays stopped (for records that do not say)."""
 
 
-def segments_from_events(events: Iterable[dict], requested: float) -> list[Segment]:
+def segments_from_events(events: Iterable[dict], requested: float,
+                         known_from: float | None = None) -> list[Segment]:
     """A job's timeline from its registry events (each with `event`, `node`, `time`):
 
     - `running` (node, devices): from then the node's trees run on `devices`;
@@ -129,6 +130,10 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
       job with no `running` event at all (its script never ran `singularityctl run`), a node's
       start begins its running, on its `gpus` (or 1).
 
+    `known_from`: where the events begin after older ones were dropped (the registry keeps the last
+    MAX_EVENTS), the state then is unknown: every node the events name is taken as running on all
+    `requested` devices from that time, until an event says otherwise.
+
     The devices of all nodes add up, at most `requested`; the result is back to back, merged."""
     per_node: dict[str, list[tuple[float, float, float]]] = {}
     open_: dict[str, tuple[float, float]] = {}  # node -> (since, devices)
@@ -141,6 +146,9 @@ def segments_from_events(events: Iterable[dict], requested: float) -> list[Segme
                 per_node.setdefault(node, []).append((since, at, devices))
 
     timed = sorted((e for e in events if isinstance(e.get("time"), int | float)), key=lambda e: e["time"])
+    if known_from is not None:
+        for node in sorted({str(e.get("node")) for e in timed}):
+            open_[node] = (known_from, float(requested))
     # a job that never ran `singularityctl run` holds its allocation from each node's start to its end
     plain = not any(e.get("event") == "running" for e in timed)
     for event in timed:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from .accounting import FLOORS, Window, attainment, clip, segments_from_events, windows
+from .accounting import FLOORS, Segment, Window, attainment, clip, segments_from_events, windows
 
 MAX_WINDOWS = 10_000
 """Windows accounted per job at most (its latest ones): a bound on the work one record costs."""
@@ -59,8 +59,15 @@ def job_sla(record: dict, now: float | None = None, window: float = 3600.0) -> J
     if eligible is None or until <= eligible:
         spans: list[Window] = []
     else:
-        segments = [s for s in clip(segments_from_events(events, requested), until) if s.end > eligible]
-        segments = [type(s)(max(s.start, eligible), s.end, s.devices) for s in segments]
+        # Where older events were dropped (the registry keeps a job's last MAX_EVENTS), what came
+        # before the oldest one left, and the state then, count as full service: a job that floods
+        # its own history with events looks better served, never starved, and gains no protection.
+        oldest = _first_time(events) if record.get("events_dropped") else None
+        segments = [s for s in clip(segments_from_events(events, requested, known_from=oldest), until)
+                    if s.end > eligible]
+        segments = [Segment(max(s.start, eligible), s.end, s.devices) for s in segments]
+        if oldest is not None and oldest > eligible:
+            segments = [Segment(eligible, min(oldest, until), float(requested)), *segments]
         spans = windows(segments, requested, eligible, until, FLOORS[tier], window, ended=ended)
     return JobSla(int(record["job_id"]), record.get("user"), tier, FLOORS[tier], float(requested),
                   float(until if eligible is None else eligible), float(until), ended, tuple(spans))

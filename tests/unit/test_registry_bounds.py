@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from singularity_slurm.coordinator import keys
 from singularity_slurm.coordinator.controller import unseen
 from singularity_slurm.coordinator.registry import (
@@ -71,3 +73,37 @@ def test_the_controller_counts_the_events_after_the_last_it_saw_though_old_ones_
     assert unseen(events, events[9]) == []
     # dropped past the last one seen (more than the list keeps in one look): all are new
     assert unseen(events[8:], events[2]) == events[8:]
+
+
+def test_a_job_that_floods_its_own_history_looks_better_served_never_starved(private_redis) -> None:
+    """The registry keeps a job's last MAX_EVENTS events: a job that checkpoints itself without end
+    pushes out the `running` event its accounting starts from. Its record says how many went, and
+    the accounting counts the time before the oldest event it still has as full service."""
+    from singularity_slurm.coordinator.registry import NodeStart
+    from singularity_slurm.sla import report
+
+    now = [1000.0]
+    registry = Registry(private_redis, clock=lambda: now[0])
+    registry.record_node_start(NodeStart(JOB, "n1", "jobuser", 1001, "standard", "standard", ["0", "1"], 0,
+                                         1000.0, requested_devices=2, eligible_at=1000.0))
+    registry.record_running(JOB, "n1", "start", 2)
+    # preempted at 1100 and pending until 1400: 300 s of a 1000 s window lost
+    now[0] = 1100.0
+    registry.record_checkpoint(JOB, {"seq": 1, "reason": "preempt", "node": "n1", "seconds": 1.0}, stop=True)
+    registry.record_node_start(NodeStart(JOB, "n2", "jobuser", 1001, "standard", "standard", ["0", "1"], 1,
+                                         1400.0))
+    now[0] = 1400.0
+    registry.record_running(JOB, "n2", "restore", 2)
+    honest = report.job_sla(registry.job(JOB), now=2000.0, window=1000.0)
+    assert registry.job(JOB)["events_dropped"] == 0
+    assert honest is not None and honest.windows[0].fraction == pytest.approx(0.7, abs=0.01)
+
+    for seq in range(MAX_EVENTS):  # the job's own checkpoints, each of them a real dump
+        now[0] = 1500.0 + seq * 0.04
+        registry.record_checkpoint(JOB, {"seq": seq + 2, "reason": "manual", "node": "n2", "seconds": 0.01},
+                                   stop=False, dump_seconds=0.01, frozen_seconds=0.0)
+    record = registry.job(JOB)
+    assert record["events_dropped"] == 5  # every event before its flood
+    assert all(e["event"] == "checkpoint" for e in record["events"])
+    flooded = report.job_sla(record, now=2000.0, window=1000.0)
+    assert flooded is not None and flooded.windows[0].fraction >= 0.95  # not the 0.7 it really had
