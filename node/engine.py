@@ -679,7 +679,7 @@ class CheckpointEngine:
         with `resize` ({nodes: [MIN, MAX] | None, gpus_per_node: G | None}) it gives the job its new
         size. Slurm changes neither of a running job, only once it is pending again.
         """
-        record = self.slurm.job(job_id) or {}
+        record = self.slurm.job_record(job_id) or {}  # its restarts from squeue's fields
         if exclude and keep_excluded:
             kept_off = expand_hostlist(str(record.get("ExcNodeList") or ""))
             exclude = list(dict.fromkeys([*kept_off, *exclude]))

@@ -39,7 +39,7 @@ def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int,
     deadline = clock() + timeout
     while clock() < deadline:
         try:
-            record = slurm.job(job_id)
+            record = slurm.job_record(job_id)  # state, restarts and reason from squeue's fields
         except SingularityError:
             record = None
         if record is None:

@@ -72,7 +72,7 @@ def proxy_spec(job: JobContext, config: Config, run_dir: Path, device: str,
 def ensure_context(items: dict[str, str], config: Config, slurm: SlurmClient) -> JobContext:
     """The job of a step, from the SPANK items the plugin passes and Slurm's records of job and step."""
     job_id = valid_job_id(items.get("SLURM_JOB_ID", ""))
-    record = slurm.job(job_id)
+    record = slurm.job_record(job_id)  # node, partition and restarts from fields no user writes
     if record is None:
         raise InvalidJobIdentity(f"Slurm has no record of job {job_id}")
     step_id = items.get("SLURM_STEP_ID", "")
@@ -83,11 +83,11 @@ def ensure_context(items: dict[str, str], config: Config, slurm: SlurmClient) ->
 
 def claim_store(job: JobContext, config: Config) -> None:
     """Make the job's store folders this job's (restart 0 only: a job id may have been used before)."""
-    record = SlurmClient().job(job.job_id)
-    if record is None or not record.get("SubmitTime"):
+    facts = SlurmClient().job_facts(job.job_id)  # squeue's: a comment cannot hold another submit time
+    if facts is None or not facts.get("SubmitTime"):
         raise InvalidJobIdentity(f"Slurm has no submit time of job {job.job_id}")
     log = node_logger("prolog", job.node, job.job_id)
-    for moved in retention.claim(config.paths.store_root, job.job_id, job.uid, record["SubmitTime"]):
+    for moved in retention.claim(config.paths.store_root, job.job_id, job.uid, facts["SubmitTime"]):
         log.warning("job id %s was used before: moved the earlier job's checkpoints aside to %s (the "
                     "next store sweep deletes them)", job.job_id, moved)
 

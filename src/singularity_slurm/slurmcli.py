@@ -324,19 +324,38 @@ class SlurmClient:
         return next((r for r in rows if r["JobId"] == str(int(job_id))), None)
 
     def job_facts(self, job_id: int) -> dict[str, str] | None:
-        """One job's node count, eligible and submit time, from fixed-width squeue columns that no
-        user writes (scontrol's one-line record holds the job's name, comment and paths, which its
-        user chooses, and a ` Key=value` there reads as Slurm's field); None for a job Slurm does not
-        list."""
-        widths = (("JobId", "JobID", 20), ("NumNodes", "NumNodes", 10), ("EligibleTime", "EligibleTime", 25),
-                  ("SubmitTime", "SubmitTime", 25))
+        """One job's node count, restart count, eligible and submit time, and the reason it is
+        pending, from fixed-width squeue columns that no user writes (scontrol's one-line record holds
+        the job's name, comment and paths, which its user chooses, and a ` Key=value` there reads as
+        Slurm's field); None for a job Slurm does not list."""
+        widths = (("JobId", "JobID", 20), ("NumNodes", "NumNodes", 10), ("Restarts", "RestartCnt", 10),
+                  ("EligibleTime", "EligibleTime", 25), ("SubmitTime", "SubmitTime", 25),
+                  ("Reason", "Reason", 200))  # last: Slurm's reasons may hold spaces
         spec = ",".join(f"{name}:{width}" for _, name, width in widths)
         out = self.run(["squeue", "-h", "-t", "all", "-j", str(int(job_id)), "-O", spec], check=False)
         for line in out.stdout.splitlines():
-            fields = line.split()
-            if len(fields) == len(widths) and fields[0] == str(int(job_id)):
-                return {key: value for (key, _, _), value in zip(widths, fields, strict=True)}
+            fields = line.split(None, len(widths) - 1)
+            if len(fields) == len(widths) - 1:
+                fields.append("")
+            if len(fields) == len(widths) and fields[0] == str(int(job_id)) and _DIGITS.fullmatch(fields[2]):
+                return {key: value.strip() for (key, _, _), value in zip(widths, fields, strict=True)}
         return None
+
+    def job_record(self, job_id: int) -> dict[str, str] | None:
+        """scontrol's record of one job, with every field root acts on replaced by squeue's, which no
+        user writes: `job_row`'s state, partition, batch host and nodes, `job_facts`' node count,
+        restarts, eligible and submit time and pending reason. (`parse_record` lets a later
+        ` Key=value` win, and the job's comment, command and paths come after Slurm's fields: a
+        comment holding ` BatchHost=n2` would otherwise read as the job's batch host.) None when
+        Slurm does not know the job; SlurmError when squeue does not list what scontrol did."""
+        record = self.job(job_id)
+        if record is None:
+            return None
+        row, facts = self.job_row(job_id), self.job_facts(job_id)
+        if row is None or facts is None:
+            raise SlurmError(f"squeue does not list job {job_id}, which scontrol shows: cannot read its "
+                             "state, nodes and restarts from fields no user writes")
+        return {**record, **row, **facts}
 
     def job_detail(self, job_id: int) -> str:
         """`scontrol show job -d -o`: the record with its per-node resources (GRES indexes)."""

@@ -270,6 +270,8 @@ class RecordingSlurm:
     def job(self, job_id: int) -> dict:
         return self.record
 
+    job_record = job
+
     def requeue(self, job_id: int) -> bool:
         self.requeued.append(job_id)
         return True

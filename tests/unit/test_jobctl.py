@@ -105,6 +105,8 @@ class FakeSlurm:
     def job(self, job_id):
         return self.records.pop(0) if len(self.records) > 1 else self.records[0]
 
+    job_record = job  # squeue's fields over scontrol's: one record here
+
     def run(self, argv, check=True):
         self.calls.append(argv)
 

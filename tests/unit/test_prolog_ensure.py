@@ -23,6 +23,8 @@ class FakeSlurm:
     def job(self, job_id: int) -> dict | None:
         return self.record
 
+    job_record = job  # squeue's fields over scontrol's: one record here
+
     def step(self, job_id: int, step_id: int) -> dict | None:
         self.steps.append((job_id, step_id))
         return self.step_record

@@ -534,3 +534,32 @@ def test_draining_nodes_are_those_with_the_drain_flag_with_the_first_ones_reason
     assert draining(records, ["n4"]) == (("n4",), "")  # as sinfo would write it
     # a node Slurm did not show (removed, or a stale name) is not draining
     assert draining(records, ["n9"]) == ((), "")
+
+
+def test_a_jobs_record_takes_what_root_acts_on_from_squeue_not_from_the_users_comment() -> None:
+    from singularity_slurm.slurmcli import job_table_argv
+
+    forged = " BatchHost=n2 Restarts=9 JobState=PENDING Partition=premium SubmitTime=2020-01-01T00:00:00"
+    line = (f"JobId=42 JobName=train UserId=jobuser(1001) JobState=RUNNING Reason=None Restarts=1 "
+            f"Partition=basic SubmitTime=2026-12-07T01:00:00 NodeList=n1 BatchHost=n1 NumNodes=1 "
+            f"TRES=cpu=1,node=1 Comment=mine{forged} Command=/home/jobuser/train.sh\n")
+    facts = ("squeue", "-h", "-t", "all", "-j", "42", "-O",
+             "JobID:20,NumNodes:10,RestartCnt:10,EligibleTime:25,SubmitTime:25,Reason:200")
+    runner = FakeRunner({
+        SHOW_42: (0, line, ""),
+        tuple(job_table_argv("all", 42)): (0, "42|RUNNING|basic|n1|n1|1\n", ""),
+        facts: (0, f"{'42':<20}{'1':<10}{'1':<10}{'2026-12-07T01:00:00':<25}{'2026-12-07T01:00:00':<25}"
+                   "ReqNodeNotAvail, UnavailableNodes:n3\n", ""),
+    })
+    client = SlurmClient(runner=runner)
+    assert client.job(42)["BatchHost"] == "n2"  # what scontrol's line reads as, the comment's last word
+    record = client.job_record(42)
+    fields = ("JobState", "Restarts", "BatchHost", "Partition", "SubmitTime", "Reason")
+    assert {k: record[k] for k in fields} == {
+        "JobState": "RUNNING", "Restarts": "1", "BatchHost": "n1", "Partition": "basic",
+        "SubmitTime": "2026-12-07T01:00:00", "Reason": "ReqNodeNotAvail, UnavailableNodes:n3"}
+    assert record["UserId"] == "jobuser(1001)"  # the rest is scontrol's
+    # squeue not listing what scontrol showed: nothing is guessed
+    runner.answers[tuple(job_table_argv("all", 42))] = (0, "", "")
+    with pytest.raises(SlurmError, match="squeue does not list job 42"):
+        client.job_record(42)
