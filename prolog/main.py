@@ -76,8 +76,9 @@ def ensure_context(items: dict[str, str], config: Config, slurm: SlurmClient) ->
     if record is None:
         raise InvalidJobIdentity(f"Slurm has no record of job {job_id}")
     step_id = items.get("SLURM_STEP_ID", "")
-    step = slurm.step(job_id, int(step_id)) if step_id.isdigit() and int(step_id) < STEP_SPECIAL else None
-    job = JobContext.from_slurm(items, record, (step or {}).get("NodeList"), [], config)
+    srun_step = step_id.isdigit() and int(step_id) < STEP_SPECIAL
+    nodes = slurm.step_nodes(job_id, int(step_id)) if srun_step else None  # squeue's, not the step's name
+    job = JobContext.from_slurm(items, record, nodes, [], config)
     return replace(job, gpus=gpus_of_node(slurm.job_detail(job_id), job.node, job_id))
 
 

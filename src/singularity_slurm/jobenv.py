@@ -114,8 +114,9 @@ class JobContext:
         """The job as SPANK items (`items`: SLURM_JOB_ID, SLURM_JOB_UID, SLURM_STEP_ID, SLURM_NODEID,
         from spank_get_item) and Slurm's record of the job say: never the step's environment.
 
-        `step_nodes`: the NodeList of Slurm's record of the step (srun steps: SLURM_NODEID counts the
-        step's nodes); the batch step runs on the job's BatchHost, other special steps on its nodes.
+        `step_nodes`: an srun step's nodes as squeue lists them (`SlurmClient.step_nodes`; its
+        SLURM_NODEID counts them); the batch step runs on the job's BatchHost, other special steps
+        on its nodes.
         """
         missing = [v for v in ("SLURM_JOB_ID", "SLURM_JOB_UID", "SLURM_STEP_ID", "SLURM_NODEID")
                    if not items.get(v)]

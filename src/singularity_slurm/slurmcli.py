@@ -361,6 +361,19 @@ class SlurmClient:
         """`scontrol show job -d -o`: the record with its per-node resources (GRES indexes)."""
         return self.run(["scontrol", "show", "job", "-d", "-o", str(job_id)]).stdout
 
+    def step_nodes(self, job_id: int, step_id: int) -> str | None:
+        """The nodes of one step of a job (a hostlist), from squeue's step list: `scontrol show step`
+        prints the step's name, which its user chooses, after its NodeList, and a name holding
+        ` NodeList=n1` would read as Slurm's. None when Slurm does not list the step."""
+        argv = ["squeue", "-h", "-s", "-j", str(int(job_id)), "-o", "%i|%N"]
+        proc = self.run(argv, check=False)
+        wanted = f"{int(job_id)}.{int(step_id)}"
+        for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+            step, sep, nodes = line.strip().partition("|")
+            if sep and step == wanted and _TABLE_FIELDS["NodeList"].fullmatch(nodes):
+                return nodes
+        return None
+
     def step(self, job_id: int, step_id: int) -> dict[str, str] | None:
         proc = self.run(["scontrol", "show", "step", "-o", f"{job_id}.{step_id}"], check=False)
         records = parse_records(proc.stdout) if proc.returncode == 0 else []

@@ -219,7 +219,8 @@ SINGULARITY_JOB_ID={victim} {CTL} run -- {PYTHON} -c 'print("the job ran")'
 
 def test_ensure_mode_reads_node_gpus_partition_and_restarts_from_slurm(jobs, config, job_user):
     """What the SPANK plugin's items and Slurm's records give the Prolog's --ensure mode, for the batch
-    step and an srun step of a real job, is what slurmd gave the job itself."""
+    step and an srun step of a real job, is what slurmd gave the job itself: not what the job's own
+    comment imitates (scontrol's one-line record prints it after Slurm's fields)."""
     from singularity_slurm.prolog.main import ensure_context
     from singularity_slurm.slurmcli import SlurmClient
 
@@ -229,14 +230,15 @@ def test_ensure_mode_reads_node_gpus_partition_and_restarts_from_slurm(jobs, con
 #SBATCH --nodelist=n2
 #SBATCH -o steps.out
 echo "gpus=$SLURM_JOB_GPUS node=$SLURMD_NODENAME"
-srun --overlap -n1 sleep 60
-"""))
+srun --overlap -n1 -J "sleeper NodeList=n1" sleep 60
+"""), "--comment=mine BatchHost=n1 NodeList=n1 Partition=premium Restarts=5")
     log = jobs.wait_for_file("steps.out")
     jobs.wait(job_id, lambda r: "gpus=" in log.read_text(), "printing its GPUs")
     slurm = SlurmClient()
     jobs.wait(job_id, lambda r: slurm.step(job_id, 0) is not None, "running step 0")
     line = next(x for x in log.read_text().splitlines() if x.startswith("gpus="))
     gpus = line.split()[0].removeprefix("gpus=").split(",")
+    assert slurm.job(job_id)["BatchHost"] == "n1"  # what the comment makes scontrol's line read as
     items = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_UID": str(job_user.pw_uid), "SLURM_NODEID": "0"}
 
     for step in ("4294967291", "0"):

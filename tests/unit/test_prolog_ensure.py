@@ -25,9 +25,9 @@ class FakeSlurm:
 
     job_record = job  # squeue's fields over scontrol's: one record here
 
-    def step(self, job_id: int, step_id: int) -> dict | None:
+    def step_nodes(self, job_id: int, step_id: int) -> str | None:
         self.steps.append((job_id, step_id))
-        return self.step_record
+        return (self.step_record or {}).get("NodeList")
 
     def job_detail(self, job_id: int) -> str:
         return DETAIL

@@ -563,3 +563,13 @@ def test_a_jobs_record_takes_what_root_acts_on_from_squeue_not_from_the_users_co
     runner.answers[tuple(job_table_argv("all", 42))] = (0, "", "")
     with pytest.raises(SlurmError, match="squeue does not list job 42"):
         client.job_record(42)
+
+
+def test_a_steps_nodes_come_from_squeues_step_list_and_only_that_steps_line() -> None:
+    argv = ("squeue", "-h", "-s", "-j", "42", "-o", "%i|%N")
+    runner = FakeRunner({argv: (0, "42.1|n1\n42.0|n[1-2]\n42.batch|n1\n", "")})
+    client = SlurmClient(runner=runner)
+    assert client.step_nodes(42, 0) == "n[1-2]"
+    assert client.step_nodes(42, 7) is None
+    runner.answers[argv] = (0, "42.0|n1 Name=x\n", "")  # not a hostlist Slurm prints
+    assert client.step_nodes(42, 0) is None
