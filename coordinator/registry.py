@@ -251,8 +251,14 @@ class Registry:
                 "services": json.loads(raw.get("services") or "{}"),
                 "gpu_inventory": json.loads(raw.get("gpu_inventory") or "null"),
             }
-        events = [json.loads(e) for e in self.redis.lrange(keys.job_events(job_id), 0, -1)]
-        total = self.redis.get(keys.job_events_total(job_id))
+        pipe = self.redis.pipeline()  # the list and its count as of one moment
+        pipe.lrange(keys.job_events(job_id), 0, -1)
+        pipe.get(keys.job_events_total(job_id))
+        listed, total = pipe.execute()
+        events = [json.loads(e) for e in listed]
+        # a record from before the count: a full list may have lost some
+        dropped = (max(int(total) - len(events), 0) if total is not None
+                   else int(len(events) >= MAX_EVENTS))
         try:
             return {
                 "job_id": int(record["job_id"]),
@@ -272,7 +278,7 @@ class Registry:
                 "events": events,
                 # events pushed out of the list (its oldest): the SLA accounting then gives the job
                 # full service before the oldest it still has, so flooding its own history gains nothing
-                "events_dropped": max(int(total or 0) - len(events), 0),
+                "events_dropped": dropped,
                 "checkpoints": self.checkpoints(job_id),
             }
         except (KeyError, ValueError) as exc:

@@ -679,11 +679,14 @@ class CheckpointEngine:
         with `resize` ({nodes: [MIN, MAX] | None, gpus_per_node: G | None}) it gives the job its new
         size. Slurm changes neither of a running job, only once it is pending again.
         """
-        record = self.slurm.job_record(job_id) or {}  # its restarts from squeue's fields
+        try:
+            record = self.slurm.job_record(job_id) or {}  # its restarts from squeue's fields
+        except SingularityError:  # the checkpoint is committed: requeue all the same
+            record = {}
         if exclude and keep_excluded:
             kept_off = expand_hostlist(str(record.get("ExcNodeList") or ""))
             exclude = list(dict.fromkeys([*kept_off, *exclude]))
-        restarts = int(record.get("Restarts", 0) or 0)
+        restarts = int(record.get("Restarts") or self.restart or 0)
         if self.restart is not None:
             # Slurm counts a restart as soon as it takes a requeue (`scontrol requeue` of the running
             # job, which this one then follows): the helper waits for the count past this start's.

@@ -362,33 +362,45 @@ def thaw(cgroup: Path) -> None:
 
 
 def freezable(targets: Iterable[Path]) -> list[Path]:
-    """Of the cgroups a tree joined, those that hold it alone and are root's: its shelter (where the
-    shelter could not be had, the tree is in the extern step, which holds Slurm's own process too)."""
+    """Of the cgroups a tree joined, those that hold it alone: its shelter (where the shelter could
+    not be had, the tree is in the extern step, which holds Slurm's own process too). `frozen`
+    checks that each is root's, through the descriptor it then writes by."""
     return [target for target in targets if target.name == SHELTER]
 
 
-def _interface(cgroup: Path) -> tuple[str, bytes, bytes] | None:
-    """(file, frozen, thawed) of the cgroup's freezer: v1's freezer.state, v2's cgroup.freeze."""
-    if (cgroup / "freezer.state").exists():
-        return "freezer.state", b"FROZEN", b"THAWED"
-    if (cgroup / "cgroup.freeze").exists():
-        return "cgroup.freeze", b"1", b"0"
-    return None
+_FREEZERS = (("freezer.state", b"FROZEN", b"THAWED", "freezer.state", b"THAWED"),  # v1
+             ("cgroup.freeze", b"1", b"0", "cgroup.events", b"frozen 0"))  # v2
+"""(file, frozen, thawed, where the state shows, what it shows once thawed) of each freezer."""
 
 
-def _put(cgroup: Path, name: str, value: bytes) -> str | None:
-    """Write an interface file (not following a link); None, or why it could not be written."""
-    try:
-        fd = os.open(cgroup / name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        return exc.strerror or str(exc)
+def _write_at(folder: int, name: str, value: bytes) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
     try:
         os.write(fd, value)
-    except OSError as exc:
-        return exc.strerror or str(exc)
     finally:
         os.close(fd)
-    return None
+
+
+def _thawed_at(folder: int, name: str, shows: bytes) -> bool:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+    try:
+        text = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    return shows in (line.strip() for line in text.splitlines())
+
+
+def _open_root_cgroup(cgroup: Path) -> int | None:
+    """A descriptor of `cgroup` if it is a folder of root's (not followed through a link); the
+    descriptor keeps naming it if its user renames it and makes another in its place."""
+    try:
+        fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if os.fstat(fd).st_uid != 0:
+        os.close(fd)
+        return None
+    return fd
 
 
 class ThawFailed(CheckpointError):
@@ -397,32 +409,39 @@ class ThawFailed(CheckpointError):
 
 @contextlib.contextmanager
 def frozen(cgroups: Sequence[Path]) -> Iterator[list[Path]]:
-    """Freeze these cgroups (`freezable`'s) for the body and thaw them after it, whatever happened;
-    yields those that froze. The cgroup freezer is invisible to the processes (no signal, no state a
-    dump records): a tree frozen while it waits for a dump slot is dumped, once thawed, exactly as it
-    stood. A cgroup that cannot be frozen leaves its tree running, which costs only time; one that
-    froze and cannot be thawed raises ThawFailed (the Epilog's sweep thaws what is below the extern
-    step before it ends it)."""
-    done = []
+    """Freeze these cgroups (`freezable`'s, each only if it is root's) for the body and thaw them
+    after it, whatever happened; yields those that froze. The cgroup freezer is invisible to the
+    processes (no signal, no state a dump records): a tree frozen while it waits for a dump slot is
+    dumped, once thawed, exactly as it stood. A cgroup that cannot be frozen leaves its tree running,
+    which costs only time; one that froze and then does not show thawed (a frozen cgroup above it)
+    raises ThawFailed. Each cgroup is written through one descriptor, opened and checked first."""
+    done: list[tuple[Path, int, tuple[str, bytes, bytes, str, bytes]]] = []
+    opened: list[int] = []
     try:
         for cgroup in cgroups:
-            face = _interface(cgroup)
-            if face is not None and _put(cgroup, face[0], face[1]) is None:
-                done.append(cgroup)
-        yield done
+            fd = _open_root_cgroup(cgroup)
+            if fd is None:
+                continue
+            opened.append(fd)
+            for face in _FREEZERS:
+                try:
+                    _write_at(fd, face[0], face[1])
+                except OSError:
+                    continue
+                done.append((cgroup, fd, face))
+                break
+        yield [cgroup for cgroup, _, _ in done]
     finally:
         problems = []
-        for cgroup in done:
-            name, _, thawed = _interface(cgroup) or ("freezer.state", b"", b"THAWED")
-            problem = _put(cgroup, name, thawed)
-            if problem is None:
-                try:
-                    if (cgroup / name).read_bytes().strip() != thawed:
-                        problem = "it is still frozen (a cgroup above it is)"
-                except OSError as exc:
-                    problem = exc.strerror or str(exc)
-            if problem is not None:
-                problems.append(f"{cgroup}: {problem}")
+        for cgroup, fd, (name, _, thawed, shows_in, shows) in done:
+            try:
+                _write_at(fd, name, thawed)
+                if not _thawed_at(fd, shows_in, shows):
+                    problems.append(f"{cgroup}: it is still frozen (a cgroup above it is)")
+            except OSError as exc:
+                problems.append(f"{cgroup}: {exc.strerror or exc}")
+        for fd in opened:
+            os.close(fd)
         if problems:
             raise ThawFailed(f"the job's tree was frozen while it waited and cannot be thawed: "
                              f"{'; '.join(problems)}")

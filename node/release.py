@@ -40,8 +40,9 @@ def release_when_pending(slurm: SlurmClient, job_id: int, restarts_before: int,
     while clock() < deadline:
         try:
             record = slurm.job_record(job_id)  # state, restarts and reason from squeue's fields
-        except SingularityError:
-            record = None
+        except SingularityError:  # slurmctld busy, or squeue not yet listing what scontrol does
+            sleep(poll)
+            continue
         if record is None:
             return released
         requeued = int(record.get("Restarts", 0) or 0) > restarts_before

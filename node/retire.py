@@ -38,7 +38,9 @@ def settled_state(slurm: SlurmClient, job_id: int, timeout: float = SETTLE_TIMEO
     deadline = clock() + timeout
     while True:
         try:
-            record = slurm.job(job_id)
+            # squeue's state: scontrol's line prints the job's comment after its JobState, and a
+            # comment holding ` JobState=COMPLETED` would have the job's folder marked ended
+            record = slurm.job_row(job_id)
         except SingularityError:
             record = {"JobState": "UNKNOWN"}  # slurmctld away: ask again
         if record is None:

@@ -77,7 +77,8 @@ def ensure_context(items: dict[str, str], config: Config, slurm: SlurmClient) ->
         raise InvalidJobIdentity(f"Slurm has no record of job {job_id}")
     step_id = items.get("SLURM_STEP_ID", "")
     srun_step = step_id.isdigit() and int(step_id) < STEP_SPECIAL
-    nodes = slurm.step_nodes(job_id, int(step_id)) if srun_step else None  # squeue's, not the step's name
+    array = (record.get("ArrayJobId", ""), record.get("ArrayTaskId", ""))
+    nodes = slurm.step_nodes(job_id, int(step_id), array) if srun_step else None  # squeue's list
     job = JobContext.from_slurm(items, record, nodes, [], config)
     return replace(job, gpus=gpus_of_node(slurm.job_detail(job_id), job.node, job_id))
 

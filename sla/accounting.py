@@ -122,10 +122,11 @@ def segments_from_events(events: Iterable[dict], requested: float,
       when criu freezes it, `frozen_seconds` before its dump ended (`dump_seconds` after the
       checkpoint began, `seconds` before `time`), or where criu's figure is missing when the
       checkpoint began; a distributed job's ranks stop earlier, when they began to reach their cut
-      (`cut_seconds` before the checkpoint began), and wait there until every rank's image is
-      committed (`time`); a tree frozen while it waited for a dump slot (`waited_frozen`) stopped
-      `waited_seconds` before the checkpoint began; a stopping one ends the node's running there,
-      another only until its dump ended (a distributed job's: until its commit);
+      (`cut_seconds` before their wait for dump slots, `waited_seconds` before the checkpoint
+      began), and wait there until every rank's image is committed (`time`); a tree frozen while it
+      waited for a dump slot (`waited_frozen`) stopped `waited_seconds` before the checkpoint
+      began; a stopping one ends the node's running there, another only until its dump ended (a
+      distributed job's: until its commit);
     - `node_start`, `node_end`: the node's running ends (a new allocation, the job's end there); in a
       job with no `running` event at all (its script never ran `singularityctl run`), a node's
       start begins its running, on its `gpus` (or 1).
@@ -168,11 +169,13 @@ def segments_from_events(events: Iterable[dict], requested: float,
             # the tree stopped running when criu froze it (its own figure), else when the checkpoint began
             freeze = max(dumped - float(frozen), began) if isinstance(frozen, int | float) and frozen >= 0 \
                 else began
+            waited = _seconds(event, "waited_seconds")
             if event.get("cut_seconds") is not None:
-                # the ranks park at the cut, and resume once every rank's image is committed
-                freeze, dumped = began - _seconds(event, "cut_seconds"), max(at, dumped)
-            if event.get("waited_frozen") is True:
-                freeze = min(freeze, began - _seconds(event, "waited_seconds"))
+                # the ranks park at the cut, wait there for their dump slots, and resume once every
+                # rank's image is committed
+                freeze, dumped = began - waited - _seconds(event, "cut_seconds"), max(at, dumped)
+            elif event.get("waited_frozen") is True:
+                freeze = min(freeze, began - waited)
             stop = event.get("stop")
             if stop is None:
                 stop = event.get("reason") in STOPPING_REASONS

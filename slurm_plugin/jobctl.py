@@ -93,7 +93,9 @@ class JobControl:
         self.channel = channel or self._connect
 
     def _check(self, job_id: int, action: str) -> dict[str, str]:
-        return check_target(self.slurm.job(job_id), job_id, self.caller_uid, self.config, action,
+        # state, partition and batch host from squeue's fields: the job's comment cannot redirect
+        # an operator's request
+        return check_target(self.slurm.job_record(job_id), job_id, self.caller_uid, self.config, action,
                             self.caller_name)
 
     def _owner(self, record: dict[str, str]) -> bool:

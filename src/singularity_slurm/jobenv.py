@@ -134,8 +134,10 @@ class JobContext:
         if step_id == STEP_BATCH:
             node = record.get("BatchHost", "")
         else:
-            listed = step_nodes if step_id < STEP_SPECIAL else None
-            nodes = expand_hostlist(listed or record.get("NodeList", ""))
+            if step_id < STEP_SPECIAL and not step_nodes:
+                raise InvalidJobIdentity(f"Slurm lists no step {step_id} of job {job_id}: its nodes are "
+                                         "unknown")
+            nodes = expand_hostlist(step_nodes if step_id < STEP_SPECIAL else record.get("NodeList", ""))
             if not 0 <= node_index < len(nodes):
                 raise InvalidJobIdentity(f"node index {node_index} is outside step {step_id}'s nodes {nodes} "
                                          f"of job {job_id}")

@@ -315,8 +315,12 @@ class SlurmClient:
 
     def job_row(self, job_id: int) -> dict[str, str] | None:
         """One job's `JOB_TABLE` fields (squeue's, which no user writes); None when Slurm does not
-        list it (or lists something that is not Slurm's shape)."""
-        proc = self.run(job_table_argv("all", job_id), check=False)
+        list it (or lists something that is not Slurm's shape); SlurmCommandFailed when squeue
+        fails for another reason (slurmctld away: ask again)."""
+        argv = job_table_argv("all", job_id)
+        proc = self.run(argv, check=False)
+        if proc.returncode != 0 and not is_invalid_job(proc.stderr):
+            raise SlurmCommandFailed(argv, proc.returncode, proc.stderr)
         try:
             rows = parse_job_table(proc.stdout)
         except SlurmError:
@@ -324,12 +328,14 @@ class SlurmClient:
         return next((r for r in rows if r["JobId"] == str(int(job_id))), None)
 
     def job_facts(self, job_id: int) -> dict[str, str] | None:
-        """One job's node count, restart count, eligible and submit time, and the reason it is
-        pending, from fixed-width squeue columns that no user writes (scontrol's one-line record holds
+        """One job's node count, restart count, eligible and submit time, array job and task (the
+        job's own id and N/A for a job of no array), and the reason it is pending, from fixed-width
+        squeue columns that no user writes (scontrol's one-line record holds
         the job's name, comment and paths, which its user chooses, and a ` Key=value` there reads as
         Slurm's field); None for a job Slurm does not list."""
         widths = (("JobId", "JobID", 20), ("NumNodes", "NumNodes", 10), ("Restarts", "RestartCnt", 10),
                   ("EligibleTime", "EligibleTime", 25), ("SubmitTime", "SubmitTime", 25),
+                  ("ArrayJobId", "ArrayJobID", 20), ("ArrayTaskId", "ArrayTaskID", 20),
                   ("Reason", "Reason", 200))  # last: Slurm's reasons may hold spaces
         spec = ",".join(f"{name}:{width}" for _, name, width in widths)
         out = self.run(["squeue", "-h", "-t", "all", "-j", str(int(job_id)), "-O", spec], check=False)
@@ -361,18 +367,23 @@ class SlurmClient:
         """`scontrol show job -d -o`: the record with its per-node resources (GRES indexes)."""
         return self.run(["scontrol", "show", "job", "-d", "-o", str(job_id)]).stdout
 
-    def step_nodes(self, job_id: int, step_id: int) -> str | None:
+    def step_nodes(self, job_id: int, step_id: int, array: tuple[str, str] | None = None) -> str | None:
         """The nodes of one step of a job (a hostlist), from squeue's step list: `scontrol show step`
         prints the step's name, which its user chooses, after its NodeList, and a name holding
-        ` NodeList=n1` would read as Slurm's. None when Slurm does not list the step."""
+        ` NodeList=n1` would read as Slurm's. squeue names a step of an array's task
+        ARRAYJOB_TASK.STEP: `array` is the job's (ArrayJobId, ArrayTaskId) of `job_facts`. None when
+        Slurm lists no such step, or lists it more than once."""
         argv = ["squeue", "-h", "-s", "-j", str(int(job_id)), "-o", "%i|%N"]
         proc = self.run(argv, check=False)
-        wanted = f"{int(job_id)}.{int(step_id)}"
+        wanted = {f"{int(job_id)}.{int(step_id)}"}
+        if array is not None and _DIGITS.fullmatch(array[0]) and _DIGITS.fullmatch(array[1]):
+            wanted.add(f"{array[0]}_{array[1]}.{int(step_id)}")
+        found = []
         for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
             step, sep, nodes = line.strip().partition("|")
-            if sep and step == wanted and _TABLE_FIELDS["NodeList"].fullmatch(nodes):
-                return nodes
-        return None
+            if sep and step in wanted and _TABLE_FIELDS["NodeList"].fullmatch(nodes):
+                found.append(nodes)
+        return found[0] if len(found) == 1 else None
 
     def step(self, job_id: int, step_id: int) -> dict[str, str] | None:
         proc = self.run(["scontrol", "show", "step", "-o", f"{job_id}.{step_id}"], check=False)

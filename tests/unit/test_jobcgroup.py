@@ -312,3 +312,26 @@ def test_a_cgroup_without_a_freezer_is_left_running_and_one_that_stays_frozen_fa
             assert (stuck / "freezer.state").read_text().strip() == "FROZEN"
             (stuck / "freezer.state").unlink()
             (stuck / "freezer.state").mkdir()  # a thaw that cannot be written
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the shelter must be root's")
+def test_a_shelter_is_frozen_only_if_roots_and_thawed_through_the_folder_it_froze(tmp_path: Path) -> None:
+    # the job's user owns the extern step (cgroup v1): it may make a `singularity` of its own there,
+    # or rename root's and make one in its place while the tree waits
+    theirs = tmp_path / "theirs" / jobcgroup.SHELTER
+    theirs.mkdir(parents=True)
+    (theirs / "freezer.state").write_text("THAWED")
+    os.chown(theirs, 1001, 1001)
+    with jobcgroup.frozen([theirs]) as froze:
+        assert froze == []
+    assert (theirs / "freezer.state").read_text() == "THAWED"
+
+    shelter = tmp_path / "extern" / jobcgroup.SHELTER
+    shelter.mkdir(parents=True)
+    (shelter / "freezer.state").write_text("THAWED")
+    with jobcgroup.frozen([shelter]) as froze:
+        assert froze == [shelter]
+        shelter.rename(shelter.with_name("moved"))
+        shelter.mkdir()
+        (shelter / "freezer.state").write_text("THAWED")  # what a read-back by path would find
+    assert (shelter.with_name("moved") / "freezer.state").read_text() == "THAWED"

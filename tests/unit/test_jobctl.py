@@ -179,6 +179,8 @@ class JobSlurm:
     def job(self, job_id):
         return dict(self.record)
 
+    job_record = job
+
     def nodes(self):
         return {"n1": {}, "n2": {}}
 

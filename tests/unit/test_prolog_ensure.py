@@ -25,7 +25,7 @@ class FakeSlurm:
 
     job_record = job  # squeue's fields over scontrol's: one record here
 
-    def step_nodes(self, job_id: int, step_id: int) -> str | None:
+    def step_nodes(self, job_id: int, step_id: int, array: tuple[str, str] | None = None) -> str | None:
         self.steps.append((job_id, step_id))
         return (self.step_record or {}).get("NodeList")
 

@@ -204,7 +204,7 @@ class Slurm:
     def __init__(self, states: list[str | None]):
         self.states = states
 
-    def job(self, job_id: int) -> dict | None:
+    def job_row(self, job_id: int) -> dict | None:  # squeue's row: no field of the user's
         state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
         return None if state is None else {"JobId": str(job_id), "JobState": state}
 

@@ -154,3 +154,8 @@ def test_a_distributed_job_stops_from_its_cut_until_its_images_are_committed() -
                  cut_seconds=2.5)
     assert segments_from_events([ev("running", 0, devices=2), preempt, ev("node_end", 51)], 2) == [
         Segment(0, 37.5, 2)]
+    # its ranks reached the cut, then waited 4 s there for a dump slot of the node
+    waited = ev("checkpoint", 50, reason="preempt", seconds=10, stop=True, dump_seconds=3, frozen_seconds=1,
+                cut_seconds=2.5, waited_seconds=4)
+    assert segments_from_events([ev("running", 0, devices=2), waited, ev("node_end", 51)], 2) == [
+        Segment(0, 33.5, 2)]

@@ -132,7 +132,7 @@ def test_the_prolog_takes_the_request_from_its_own_nodes_gpus_and_the_eligible_t
 
     now = parse_time("2026-12-03T07:00:00")
     line = ("5                   2         0         2026-12-03T06:00:00      2026-12-03T05:59:00      "
-            "None\n")
+            "5                   N/A                 None\n")
     assert sla_facts(_context(["0", "1"]), _slurm(line), now) == (4, parse_time("2026-12-03T06:00:00"))
     assert sla_facts(_context([]), _slurm(line), now)[0] == 2  # no GPUs: one per node
     early = line.replace("2026-12-03T06:00:00", "1970-01-02T00:00:00")
@@ -141,7 +141,7 @@ def test_the_prolog_takes_the_request_from_its_own_nodes_gpus_and_the_eligible_t
                                                                              "2026-10-01T00:00:00")
     assert sla_facts(_context(["0"]), _slurm(old), now)[1] == now - SLA_LOOKBACK_S
     assert sla_facts(_context(["0"]), _slurm("garbage\n"), now) == (None, None)
-    assert sla_facts(_context(["0"]), _slurm("5 \u00b2 0 x y None\n"), now) == (1, None)  # no int("²")
+    assert sla_facts(_context(["0"]), _slurm("5 \u00b2 0 x y 5 N/A None\n"), now) == (1, None)  # no int("²")
 
 
 def test_a_job_older_than_the_window_bound_keeps_its_latest_windows_on_the_same_grid() -> None:

@@ -544,12 +544,13 @@ def test_a_jobs_record_takes_what_root_acts_on_from_squeue_not_from_the_users_co
             f"Partition=basic SubmitTime=2026-12-07T01:00:00 NodeList=n1 BatchHost=n1 NumNodes=1 "
             f"TRES=cpu=1,node=1 Comment=mine{forged} Command=/home/jobuser/train.sh\n")
     facts = ("squeue", "-h", "-t", "all", "-j", "42", "-O",
-             "JobID:20,NumNodes:10,RestartCnt:10,EligibleTime:25,SubmitTime:25,Reason:200")
+             "JobID:20,NumNodes:10,RestartCnt:10,EligibleTime:25,SubmitTime:25,ArrayJobID:20,ArrayTaskID:20,"
+             "Reason:200")
     runner = FakeRunner({
         SHOW_42: (0, line, ""),
         tuple(job_table_argv("all", 42)): (0, "42|RUNNING|basic|n1|n1|1\n", ""),
         facts: (0, f"{'42':<20}{'1':<10}{'1':<10}{'2026-12-07T01:00:00':<25}{'2026-12-07T01:00:00':<25}"
-                   "ReqNodeNotAvail, UnavailableNodes:n3\n", ""),
+                   f"{'42':<20}{'N/A':<20}ReqNodeNotAvail, UnavailableNodes:n3\n", ""),
     })
     client = SlurmClient(runner=runner)
     assert client.job(42)["BatchHost"] == "n2"  # what scontrol's line reads as, the comment's last word
@@ -573,3 +574,9 @@ def test_a_steps_nodes_come_from_squeues_step_list_and_only_that_steps_line() ->
     assert client.step_nodes(42, 7) is None
     runner.answers[argv] = (0, "42.0|n1 Name=x\n", "")  # not a hostlist Slurm prints
     assert client.step_nodes(42, 0) is None
+    # a task of an array: squeue names its steps ARRAYJOB_TASK.STEP
+    runner.answers[argv] = (0, "40_2.0|n2\n", "")
+    assert client.step_nodes(42, 0) is None
+    assert client.step_nodes(42, 0, ("40", "2")) == "n2"
+    runner.answers[argv] = (0, "40_2.0|n2\n40_2.0|n1\n", "")  # listed twice: which is it?
+    assert client.step_nodes(42, 0, ("40", "2")) is None
