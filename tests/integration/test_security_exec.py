@@ -239,6 +239,7 @@ srun --overlap -n1 -J "sleeper NodeList=n1" sleep 60
     line = next(x for x in log.read_text().splitlines() if x.startswith("gpus="))
     gpus = line.split()[0].removeprefix("gpus=").split(",")
     assert slurm.job(job_id)["BatchHost"] == "n1"  # what the comment makes scontrol's line read as
+    assert slurm.step(job_id, 0)["NodeList"] == "n1"  # and the step's name its step line
     items = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_UID": str(job_user.pw_uid), "SLURM_NODEID": "0"}
 
     for step in ("4294967291", "0"):
