@@ -158,6 +158,10 @@ class Proxy:
         self.parked_ops: dict[int, tuple[str, int]] = {}  # rank -> the operation it parked on
         self.reported_parked = False
         self.round: barrier.Round | None = None
+        # Cuts are numbered: the leader counts the rounds it completed, every proxy the latest it was
+        # told of, so a drain request sent before its sender heard of a cut that covered it is known.
+        self.rounds_done = 0
+        self.cut_seen = 0
         self.cut_started: float | None = None
         self.stats: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.stats_lock = threading.Lock()
@@ -994,11 +998,19 @@ class Proxy:
                     self.peer_pids[sender] = pid
                 self.cond.notify_all()
         elif kind == "drain_request" and self.id == self.leader:
+            seen = message.get("seen")
             with self.cond:
-                start = self.round is None
+                # A round completed since the sender asked and this side is still at it: that cut is
+                # the one asked for (a second round would take every parked proxy back to draining).
+                answered = (self.round is None and self.phase == Phase.PARKED and type(seen) is int
+                            and seen < self.rounds_done)
+                start = self.round is None and not answered
                 if start:
                     self.round = barrier.Round(self.proxies)
-            if start:
+                done = self.rounds_done
+            if answered:
+                self._send_control(sender, {"ctl": "cut_done", "round": done})
+            elif start:
                 self._broadcast_control({"ctl": "drain"})
         elif kind == "drain":
             with self.cond:
@@ -1038,10 +1050,16 @@ class Proxy:
                 if raised is not None:
                     self._broadcast_control({"ctl": "cut", "targets": raised})
                 else:
-                    self.round = None
-                    self._broadcast_control({"ctl": "cut_done"})
+                    with self.cond:
+                        self.round = None
+                        self.rounds_done += 1
+                        done = self.rounds_done
+                    self._broadcast_control({"ctl": "cut_done", "round": done})
         elif kind == "cut_done":
             with self.cond:
+                done = message.get("round")
+                if type(done) is int:
+                    self.cut_seen = max(self.cut_seen, done)
                 if self.phase == Phase.CUTTING:
                     self.phase = Phase.PARKED
                     self.log("cut reached in %.2fs", time.monotonic() - (self.cut_started or 0))
@@ -1084,8 +1102,9 @@ class Proxy:
             while not self.ready:
                 if self.mesh_error or not self.cond.wait(timeout):
                     raise ProxyError(f"the job's proxies are not connected: {self.mesh_error or 'timeout'}")
+            seen = self.cut_seen
         started = time.monotonic()
-        self._to_leader({"ctl": "drain_request", "from": self.id})
+        self._to_leader({"ctl": "drain_request", "from": self.id, "seen": seen})
         deadline = started + timeout
         with self.cond:
             while self.phase != Phase.PARKED:

@@ -410,6 +410,13 @@ def test_quiesce_parks_every_rank_without_sockets_and_resume_lets_the_job_finish
     assert {p.id: p.status()["phase"] for p in run.proxies.values()} == {"p0": "parked", "p1": "parked"}
     assert {p.id: p.status()["ranks"] for p in run.proxies.values()} == {
         "p0": {"0": "parked", "1": "parked"}, "p1": {"2": "parked"}}
+    # Both asked for the cut at once and got one round; a request its sender sent before it heard of
+    # that cut is answered with it, and takes no parked proxy back to draining.
+    leader = run.proxies[run.proxies["p1"].leader]
+    assert leader.rounds_done == 1 and {p.cut_seen for p in run.proxies.values()} == {1}
+    leader._on_control("p1", {"ctl": "drain_request", "from": "p1", "seen": 0})
+    assert leader.round is None and leader.rounds_done == 1
+    assert {p.status()["phase"] for p in run.proxies.values()} == {"parked"}
     # the proxies reduced from each other's regions, and let go of them at the cut
     assert all(p.stats["allreduce"]["shared_memory"] > 0 and p.peer_regions.maps == {}
                for p in run.proxies.values())
