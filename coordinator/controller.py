@@ -135,7 +135,7 @@ class Controller:
         by_node = fleet.idle_by_node(sinfo, reserve.closed_nodes(reserved))
         snapshot = fleet.snapshot(slurm_jobs, records, sum(by_node.values()), protected, now, self.window,
                                   self.config.elastic.max_ranks_per_device, self.config.tier_of_partition,
-                                  by_node)
+                                  by_node, self.slurm.preempting())
         return Gathered(snapshot, {int(j["JobId"]): j for j in slurm_jobs}, records, gpus_per_node(sinfo),
                         reserved)
 

@@ -64,13 +64,15 @@ def size_for(devices: int, gpus_per_node: int) -> tuple[int, int]:
 
 def snapshot(slurm_jobs: Iterable[Mapping[str, str]], records: Mapping[int, dict], idle: int,
              protected: Iterable[int], now: float, window: float, max_ranks_per_device: int,
-             tier_of_partition, idle_nodes: Mapping[str, int] | None = None) -> Snapshot:
+             tier_of_partition, idle_nodes: Mapping[str, int] | None = None,
+             leaving: Collection[int] = ()) -> Snapshot:
     """The controller's view: every running or pending Singularity job Slurm knows, with its slack
     from the registry's accounting; a distributed job (its registry shows a size) is elastic down
     to the devices its ranks fit on (`max_ranks_per_device` to a device). With `idle_nodes`
     (`idle_by_node`), the per-node view too: where each running job holds its devices, and the
-    shape (nodes x devices per node) each pending job needs to start."""
-    protected = set(protected)
+    shape (nodes x devices per node) each pending job needs to start. `leaving`: the running jobs
+    Slurm is preempting (`SlurmClient.preempting`)."""
+    protected, leaving = set(protected), set(leaving)
     views = []
     for job in slurm_jobs:
         state = job.get("JobState")
@@ -95,7 +97,8 @@ def snapshot(slurm_jobs: Iterable[Mapping[str, str]], records: Mapping[int, dict
         submitted = float(record.get("eligible_at") or 0.0) if record else 0.0
         where, shape = _placement(job, held) if idle_nodes is not None else ((), None)
         views.append(JobView(str(job_id), tier, max(requested, 1), max(fewest, 1), held, slack, left,
-                             job_id in protected, submitted, where, shape))
+                             job_id in protected, submitted, where, shape,
+                             leaving=held > 0 and job_id in leaving))
     nodes = tuple(NodeView(name, free) for name, free in sorted((idle_nodes or {}).items()))
     return Snapshot(idle, tuple(views), nodes)
 

@@ -50,6 +50,7 @@ class JobView:
     submitted: float = 0.0
     where: tuple[tuple[str, int], ...] = ()  # a running job's devices by node: (node, count)
     shape: tuple[int, int] | None = None  # a pending job's (nodes, devices per node), where known
+    leaving: bool = False  # Slurm is preempting it: it still holds its devices, but not for long
 
     @property
     def running(self) -> bool:
@@ -152,7 +153,8 @@ def decide(snapshot: Snapshot, params: Params | None = None) -> list[Action]:
     """What the controller does now (at most one action per job), in three steps:
 
     1. protect each running job of a tier with a floor whose slack is below a preemption's cost,
-       and release those that have a few times that cost again;
+       and release those that have a few times that cost again (a job Slurm is preempting is
+       neither, nor touched by the later steps);
     2. for each pending job (tier, then submission order) that idle devices cannot hold, shrink
        running jobs of lower tiers (lowest tier first, those with the most to give first, each no
        lower than `shrink_limit`) where that makes room for it; where one would fit in the idle
@@ -165,7 +167,7 @@ def decide(snapshot: Snapshot, params: Params | None = None) -> list[Action]:
     actions: list[Action] = []
     protected = {j.job_id for j in snapshot.jobs if j.protected}
     for job in sorted(snapshot.jobs, key=_order):
-        if not job.running or FLOORS[job.tier] <= 0:
+        if not job.running or job.leaving or FLOORS[job.tier] <= 0:
             continue
         if not job.protected and job.slack < params.preemption_cost_s:
             protected.add(job.job_id)
@@ -175,7 +177,9 @@ def decide(snapshot: Snapshot, params: Params | None = None) -> list[Action]:
         elif job.protected and job.slack >= params.unprotect_factor * params.preemption_cost_s:
             protected.discard(job.job_id)
             actions.append(Unprotect(job.job_id, f"{job.tier} job has {job.slack:.0f}s of slack again"))
-    touched: set[str] = {a.job_id for a in actions}
+    # A job Slurm is preempting is left alone: protecting it would not stop its preemption, only
+    # reserve the nodes its preemptor is waiting for; resizing or moving it would race its requeue.
+    touched: set[str] = {a.job_id for a in actions} | {j.job_id for j in snapshot.jobs if j.leaving}
 
     # what each running job could give, by tier rank
     gives: dict[str, int] = {}

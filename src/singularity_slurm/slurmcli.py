@@ -137,6 +137,25 @@ def preempt_time_argv(job_id: int) -> list[str]:
     return ["squeue", "-h", "-j", str(int(job_id)), "-O", "PreemptTime:40"]
 
 
+def preempting_argv() -> list[str]:
+    return ["squeue", "-h", "-t", "running", "-O", "JobID:20,StartTime:25,PreemptTime:25"]
+
+
+def parse_preempting(text: str) -> set[int]:
+    """The running jobs Slurm is preempting, from `preempting_argv`'s fixed-width columns (no field
+    of which a user writes): those whose PreemptTime is at or after the StartTime of their current
+    run (a requeued job's PreemptTime may be its earlier run's)."""
+    found: set[int] = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) != 3 or not fields[0].isascii() or not fields[0].isdigit():
+            continue
+        started, preempted = parse_time(fields[1]), parse_time(fields[2])
+        if started is not None and preempted is not None and preempted >= started:
+            found.add(int(fields[0]))
+    return found
+
+
 def gpus_per_node_argv(states: str = "all") -> list[str]:
     return ["squeue", "-h", "-t", states, "-o", "%A|%b"]
 
@@ -393,6 +412,10 @@ class SlurmClient:
     def job(self, job_id: int) -> dict[str, str] | None:
         jobs = self.jobs(job_id)
         return jobs[0] if jobs else None
+
+    def preempting(self) -> set[int]:
+        """The running jobs Slurm is preempting now (`parse_preempting`)."""
+        return parse_preempting(self.run(preempting_argv()).stdout)
 
     def preempt_time(self, job_id: int, timeout: float = 5.0) -> float | None:
         """When Slurm began preempting the job (Unix time), None when it is not being preempted.

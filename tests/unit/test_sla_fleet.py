@@ -57,6 +57,11 @@ def test_the_snapshot_joins_slurms_jobs_with_their_accounting_and_elasticity() -
     # half an hour at 4 of 8: 900 s had, 1800 s left, 2520 s owed
     assert running.slack == pytest.approx(900 + 1800 - 2520) and running.window_left == pytest.approx(1800)
     assert (pending.job_id, pending.held, pending.requested, pending.protected) == ("8", 0, 2, True)
+    assert not running.leaving and not pending.leaving
+    # the jobs Slurm is preempting, where they still run
+    leaving = fleet.snapshot(slurm_jobs, {7: record}, idle=3, protected=[8], now=1800.0, window=3600.0,
+                             max_ranks_per_device=4, tier_of_partition=tiers, leaving={7, 8})
+    assert [(j.job_id, j.leaving) for j in leaving.jobs] == [("7", True), ("8", False)]
 
 
 def test_idle_devices_node_by_node_leave_out_unusable_and_reserved_nodes() -> None:

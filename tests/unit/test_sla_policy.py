@@ -39,6 +39,24 @@ def test_a_job_that_could_not_survive_another_preemption_is_protected_and_releas
     assert "a preemption costs 120s" in actions[0].reason
 
 
+def test_a_job_slurm_is_preempting_is_neither_protected_nor_shrunk_grown_or_moved() -> None:
+    from dataclasses import replace
+
+    # short of its floor, but already on its way out: a protection would only hold the nodes its
+    # preemptor waits for
+    short = job("s", "standard", 4, 4, slack=10)
+    assert decide(Snapshot(0, (short,)), PARAMS) == [Protect("s", "")]
+    assert decide(Snapshot(0, (replace(short, leaving=True),)), PARAMS) == []
+    # an elastic basic job that would give room to a waiting one, or grow on idle devices
+    elastic = job("b", "basic", 4, 4, min_devices=1)
+    waiting = job("w", "premium", 2, 0)
+    assert decide(Snapshot(0, (elastic, waiting)), PARAMS) == [Shrink("b", 2, "")]
+    assert decide(Snapshot(0, (replace(elastic, leaving=True), waiting)), PARAMS) == []
+    shrunk = job("b", "basic", 4, 2, min_devices=1)
+    assert decide(Snapshot(2, (shrunk,)), PARAMS) == [Grow("b", 4, "")]
+    assert decide(Snapshot(2, (replace(shrunk, leaving=True),)), PARAMS) == []
+
+
 def test_lower_tier_elastic_jobs_shrink_to_make_room_for_a_waiting_job_within_their_floors() -> None:
     snapshot = Snapshot(1, (
         job("want", "premium", 6, 0),

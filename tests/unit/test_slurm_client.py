@@ -339,6 +339,17 @@ def test_a_jobs_preempt_time_is_read_alone_and_none_when_it_is_not_preempted() -
     assert SlurmClient(runner=gone).preempt_time(42) is None
 
 
+def test_the_jobs_slurm_is_preempting_are_those_preempted_since_their_current_run_began() -> None:
+    argv = ("squeue", "-h", "-t", "running", "-O", "JobID:20,StartTime:25,PreemptTime:25")
+    table = ("41                  2026-12-06T22:00:00      2026-12-06T22:10:00      \n"  # being preempted
+             "42                  2026-12-06T22:00:00      N/A                      \n"
+             "43                  2026-12-06T22:20:00      2026-12-06T22:10:00      \n"  # its earlier run's
+             "44                  2026-12-06T22:20:00      2026-12-06T22:20:00      \n"  # in its first second
+             "4x5                 2026-12-06T22:00:00      2026-12-06T22:10:00      \n"
+             "46                  2026-12-06T22:00:00\n")
+    assert SlurmClient(runner=FakeRunner({argv: (0, table, "")})).preempting() == {41, 44}
+
+
 def test_jobs_with_no_jobs_in_the_system_is_empty() -> None:
     runner = FakeRunner({SHOW_ALL: (0, "No jobs in the system\n", "")})
 
