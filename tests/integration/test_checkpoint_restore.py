@@ -183,29 +183,6 @@ def test_a_file_written_in_tmp_travels_with_a_migration(jobs, job_user):
     shutil.rmtree(scratch.parent)
 
 
-def test_checkpoints_keep_the_job_running_and_the_second_stores_at_most_a_quarter_of_the_first(
-        jobs, job_user, reference_log):
-    # Two checkpoints 150 steps apart once the job trains steadily, as periodic checkpoints are.
-    job_id, log = _start_training(jobs, sleep=0.1)
-    sizes = []
-    for step in ("step 60 ", "step 210 "):
-        _wait_for_text(jobs, job_id, log, step)
-        proc = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id), "--json"])
-        assert proc.returncode == 0, proc.stderr
-        sizes.append(json.loads(proc.stdout))
-        assert jobs.record(job_id)["JobState"] == "RUNNING"
-    first, second = sizes
-    assert second["seq"] == first["seq"] + 1
-    assert second["logical_bytes"] > 100 << 20  # a whole PyTorch process tree, not a stub
-    assert second["new_bytes"] <= 0.25 * first["new_bytes"], sizes
-    _wait_for_text(jobs, job_id, log, "step 240 ")
-    plain = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
-    assert plain.returncode == 0, plain.stderr
-    assert re.search(r"checkpoint \d+ committed in [\d.]+s", plain.stdout)
-    jobs.wait_state(job_id, "COMPLETED", timeout=180)
-    assert training_log(log.read_text()) == reference_log
-
-
 def _checkpoint(job_id: int, user: str) -> dict:
     proc = run_as(user, [CTL, "checkpoint", str(job_id), "--json"])
     assert proc.returncode == 0, proc.stderr
@@ -214,49 +191,6 @@ def _checkpoint(job_id: int, user: str) -> dict:
 
 def _resumed_part(text: str, marker: str = "restored checkpoint") -> str:
     return training_log(text.split(marker, 1)[1].split("\n", 1)[1])
-
-
-def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_is_used(jobs, reference_log, job_user,
-                                                                      config):
-    job_id, log = _start_training(jobs, sleep=0.1)
-    _wait_for_text(jobs, job_id, log, "step 60 ")
-    first = _checkpoint(job_id, job_user.pw_name)
-    _wait_for_text(jobs, job_id, log, "step 120 ")
-    second = _checkpoint(job_id, job_user.pw_name)
-
-    store = CheckpointStore(config.paths.store_root)
-    old = {c.hash for f in store.read(job_id, first["seq"]).files for c in f.chunks}
-    victim = next(c.hash for f in store.read(job_id, second["seq"]).files for c in f.chunks
-                  if c.hash not in old and f.path.startswith("images/pages-"))
-    chunk, offset, length = store.locate(job_id, victim)
-    data = bytearray(chunk.read_bytes())
-    data[offset + length // 2] ^= 0xFF
-    chunk.write_bytes(bytes(data))
-    # and a newer manifest in the previous version's JSON format, of the wrong shape, with lengths
-    # no chunk has
-    bogus = store.manifest_path(job_id, second["seq"] + 1).with_suffix(".json")
-    kept = store.read(job_id, second["seq"])
-    doc = {"format": 1, "job_id": kept.job_id, "seq": second["seq"] + 1, "created_at": kept.created_at,
-           "reason": kept.reason, "meta": kept.meta, "logical_bytes": 0, "new_bytes": 0,
-           "files": [{"path": "images/x", "mode": 420, "size": -1, "chunks": [["0" * 32, 1 << 62]]}]}
-    bogus.write_text(json.dumps(doc))
-
-    pids = subprocess.run(["pgrep", "-u", "jobuser", "-f", f"^{PYTHON} train_reference.py"],
-                          capture_output=True, text=True).stdout.split()
-    for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
-    _wait_for_text(jobs, job_id, log, "restored checkpoint")
-    jobs.wait_state(job_id, "COMPLETED", timeout=180)
-
-    text = log.read_text()
-    assert f"checkpoint {second['seq'] + 1} refused: manifest {bogus} is malformed: " in text
-    assert f"checkpoint {second['seq']} refused: " in text
-    assert f"restored checkpoint {first['seq']} " in text
-    assert reference_log.endswith(_resumed_part(text))
-    status = json.loads(subprocess.run([CTL, "status", str(job_id), "--json"], capture_output=True,
-                                       text=True).stdout)
-    assert status["restores"][-1]["seq"] == first["seq"]
-    assert [r["seq"] for r in status["restores"][-1]["refused"]] == [second["seq"] + 1, second["seq"]]
 
 
 @pytest.fixture
@@ -286,18 +220,57 @@ def small_store(config):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_a_full_store_during_a_dump_keeps_the_last_checkpoint_and_the_job(jobs, reference_log, job_user,
-                                                                          config, small_store):
+def _corrupt(store: CheckpointStore, job_id: int, seq: int, older: int) -> Path:
+    """Flip a byte of a pages chunk that checkpoint `seq` has and `older` has not, and write a newer
+    manifest in the previous version's JSON format, of the wrong shape, with lengths no chunk has;
+    returns that manifest's path."""
+    old = {c.hash for f in store.read(job_id, older).files for c in f.chunks}
+    victim = next(c.hash for f in store.read(job_id, seq).files for c in f.chunks
+                  if c.hash not in old and f.path.startswith("images/pages-"))
+    chunk, offset, length = store.locate(job_id, victim)
+    data = bytearray(chunk.read_bytes())
+    data[offset + length // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    bogus = store.manifest_path(job_id, seq + 1).with_suffix(".json")
+    kept = store.read(job_id, seq)
+    doc = {"format": 1, "job_id": kept.job_id, "seq": seq + 1, "created_at": kept.created_at,
+           "reason": kept.reason, "meta": kept.meta, "logical_bytes": 0, "new_bytes": 0,
+           "files": [{"path": "images/x", "mode": 420, "size": -1, "chunks": [["0" * 32, 1 << 62]]}]}
+    bogus.write_text(json.dumps(doc))
+    return bogus
+
+
+def test_checkpoints_stay_small_and_a_full_store_and_a_corrupt_checkpoint_never_cost_the_last_good_one(
+        jobs, reference_log, job_user, config, small_store):
+    """One job, checkpointed twice while it runs (the second stores at most a quarter of the
+    first); then its newest checkpoint is damaged, a bogus newer manifest written, and its store
+    folder shrunk below what a dump needs, and it is preempted: the dump fails on the full store,
+    the job is requeued all the same, and its restore refuses both damaged checkpoints and resumes
+    from the first."""
     job_id, log = _start_training(jobs, sleep=0.15)
     _wait_for_text(jobs, job_id, log, "step 60 ")
     first = _checkpoint(job_id, job_user.pw_name)
-    small_store(job_id)
+    assert jobs.record(job_id)["JobState"] == "RUNNING"
+    _wait_for_text(jobs, job_id, log, "step 150 ")
+    plain = run_as(job_user.pw_name, [CTL, "checkpoint", str(job_id)])
+    assert plain.returncode == 0, plain.stderr
+    assert re.search(r"checkpoint \d+ committed in [\d.]+s", plain.stdout), plain.stdout
+    assert jobs.record(job_id)["JobState"] == "RUNNING"
+    status = json.loads(subprocess.run([CTL, "status", str(job_id), "--json"], capture_output=True,
+                                       text=True, check=True).stdout)
+    second = status["checkpoints"][-1]
+    assert second["seq"] == first["seq"] + 1
+    assert second["logical_bytes"] > 100 << 20  # a whole PyTorch process tree, not a stub
+    assert second["new_bytes"] <= 0.25 * first["new_bytes"], (first, second)
 
+    store = CheckpointStore(config.paths.store_root)
+    bogus = _corrupt(store, job_id, second["seq"], first["seq"])
+    small_store(job_id)
     node = jobs.record(job_id)["NodeList"]
     urgent = jobs.submit(jobs.script("urgent.sh", URGENT), f"--nodelist={node}")
     _wait_for_text(jobs, job_id, log, "restored checkpoint", timeout=180)
-    store = CheckpointStore(config.paths.store_root)  # while the job lives: its end deletes its folder
-    assert store.seqs(job_id) == [first["seq"]]
+    # while the job lives (its end deletes its folder): the failed dump added and removed nothing
+    assert store.seqs(job_id) == [first["seq"], second["seq"], second["seq"] + 1]
     store.verify(store.read(job_id, first["seq"]))
     jobs.wait_state(urgent, "COMPLETED")
     jobs.wait_state(job_id, "COMPLETED", timeout=180)
@@ -305,11 +278,15 @@ def test_a_full_store_during_a_dump_keeps_the_last_checkpoint_and_the_job(jobs, 
     text = log.read_text()
     notes = [line for line in text.splitlines() if line.startswith("[singularity]")]
     assert any("checkpoint failed: " in n and "is full (No space left on device)" in n for n in notes), notes
+    assert f"checkpoint {second['seq'] + 1} refused: manifest {bogus} is malformed: " in text
+    assert f"checkpoint {second['seq']} refused: " in text
+    assert f"restored checkpoint {first['seq']} " in text
+    assert reference_log.endswith(_resumed_part(text))
     status = json.loads(subprocess.run([CTL, "status", str(job_id), "--json"], capture_output=True,
                                        text=True).stdout)
     assert "is full" in status["failures"][-1]["error"]
-    assert f"restored checkpoint {first['seq']} " in text
-    assert reference_log.endswith(_resumed_part(text))
+    assert status["restores"][-1]["seq"] == first["seq"]
+    assert [r["seq"] for r in status["restores"][-1]["refused"]] == [second["seq"] + 1, second["seq"]]
 
 
 def test_a_cancelled_job_is_not_checkpointed_or_requeued(jobs, job_user, config):
