@@ -263,6 +263,7 @@ class Criu:
             client.opts.log_level = 4
             client.opts.file_locks = True
             client.opts.external.extend(dump_externals(external or {}))
+            _host_mounts_external(client.opts)
             _ignore_cgroups(client.opts)
             try:
                 client.dump()
@@ -299,6 +300,7 @@ class Criu:
         req.opts.file_locks = True
         req.opts.notify_scripts = check is not None
         req.opts.external.extend(restore_externals(external or {}))
+        _host_mounts_external(req.opts)
         _ignore_cgroups(req.opts)
         root_pid = 0
         refusal: str | None = None
@@ -347,6 +349,17 @@ class RestoreRefused(CheckpointError):
 
 class RestoreFailed(CheckpointError):
     """criu could not restore these images (its log says why): try an older checkpoint."""
+
+
+def _host_mounts_external(opts) -> None:
+    """The host's mounts that the tree's mount namespace holds (it began as a copy of the host's)
+    are recorded as external, by their host path, and bound from the restoring host: neither their
+    content nor their state at the dump is the job's. Without this criu archives every tmpfs it
+    finds there, the host's /run, /dev/shm (the other jobs' shared memory, hidden under the job's
+    own) and any tmpfs an admin mounted, into each checkpoint, and re-creates them at restore as
+    the dump left them. The mounts made inside the namespace (the job's private /dev/shm, its
+    /proc) are the job's: criu still dumps and re-creates those."""
+    opts.auto_ext_mnt = True
 
 
 def _ignore_cgroups(opts) -> None:

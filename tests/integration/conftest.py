@@ -43,6 +43,18 @@ def cluster() -> None:
     for user in users:
         subprocess.run(["scancel", "--user", user], capture_output=True)
     _wait_until_no_jobs(users)
+    _unmount_small_stores(Path(config_mod.load().paths.store_root))
+
+
+def _unmount_small_stores(store_root: Path) -> None:
+    """Take away the tmpfs mounts over job folders of the store that an interrupted run of
+    test_checkpoint_restore's `small_store` left: every job's mount namespace is a copy of the
+    host's, so criu would dump such a mount's content into every later checkpoint."""
+    listed = subprocess.run(["findmnt", "-rn", "-t", "tmpfs", "-o", "TARGET"], capture_output=True,
+                            text=True).stdout.split()
+    for target in listed:
+        if Path(target).parent == store_root / "jobs":
+            subprocess.run(["umount", "-l", target], check=True)
 
 
 def _wait_until_no_jobs(users: list[str], timeout: float = 60) -> None:

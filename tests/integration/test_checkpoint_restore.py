@@ -15,7 +15,9 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -157,14 +159,44 @@ for step in range(1, 41):
     print("step", step, flush=True)
     time.sleep(0.25)
 print("read back:", open(path).read().strip(), flush=True)
+print("host mount holds:", sorted(os.listdir(HOST_MOUNT)), flush=True)
 """
 
 
-def test_a_file_written_in_tmp_travels_with_a_migration(jobs, job_user):
-    jobs.script("local_file.py", LOCAL_FILE_SCRIPT)
+@pytest.fixture
+def host_tmpfs() -> Iterator[Path]:
+    """A tmpfs the host mounts before the job starts, as a site's /run or an admin's scratch: the
+    job's mount namespace begins with a copy of it."""
+    path = Path(tempfile.mkdtemp(prefix="singularity-host-mount-", dir="/tmp"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=755", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+        path.rmdir()
+
+
+@pytest.fixture
+def shm_flood() -> Iterator[Path]:
+    """Where another user floods the host's /dev/shm; removed at the end."""
+    path = Path(f"/dev/shm/singularity-flood-{os.getpid()}")
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_file_written_in_tmp_travels_with_a_migration_and_the_hosts_mounts_stay_the_hosts(
+        jobs, job_user, other_user, host_tmpfs, shm_flood):
+    (host_tmpfs / "before").write_bytes(os.urandom(8 << 20))
+    jobs.script("local_file.py", f"HOST_MOUNT = {str(host_tmpfs)!r}\n" + LOCAL_FILE_SCRIPT)
     job_id = jobs.submit(jobs.script("local.sh", LOCAL_FILE_JOB))
     log = jobs.wait_for_file("local.out")
     _wait_for_text(jobs, job_id, log, "step 4\n")
+    # Another user fills the host's /dev/shm (which the job's namespace holds, under its own): a
+    # victim's checkpoint must not carry it, nor take the time to archive it.
+    filled = run_as(other_user, ["dd", "if=/dev/urandom", f"of={shm_flood}", "bs=1M", "count=32"])
+    assert filled.returncode == 0, filled.stderr
     scratch = Path(f"/tmp/singularity-test-{job_id}/scratch.txt")
     assert scratch.read_text() == "written before the migration\n"
     first_node = jobs.record(job_id)["NodeList"]
@@ -174,10 +206,17 @@ def test_a_file_written_in_tmp_travels_with_a_migration(jobs, job_user):
     # The dev cluster's nodes share one /tmp: remove the file, as if the job moved to another host.
     shutil.rmtree(scratch.parent)
     _wait_for_text(jobs, job_id, log, "restored checkpoint")
+    # The host's mount is bound into the restored job, not re-created from an archive in its
+    # checkpoint (criu made one of every tmpfs the namespace held): the host's change shows.
+    (host_tmpfs / "before").unlink()
+    (host_tmpfs / "after").write_text("written by the host after the restore\n")
     jobs.wait_state(job_id, "COMPLETED", timeout=120)
 
     assert jobs.record(job_id)["NodeList"] != first_node
     assert "read back: written before the migration" in log.read_text()
+    assert "host mount holds: ['after']" in log.read_text(), log.read_text()[-2000:]
+    committed = re.search(r"checkpoint \d+ committed in [\d.]+s: ([\d.]+) MiB", log.read_text())
+    assert committed and float(committed[1]) < 8, log.read_text()  # the job's own few MiB only
     assert scratch.read_text() == "written before the migration\n"
     assert scratch.stat().st_uid == job_user.pw_uid
     shutil.rmtree(scratch.parent)
