@@ -24,8 +24,9 @@ import os
 import re
 import shlex
 import socket
+import stat
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -121,6 +122,89 @@ def external_mounts(mountinfo: str, wanted: list[str] | tuple[str, ...]) -> dict
         if len(fields) > 4:
             present.add(_unescape(fields[4]))
     return {f"ext{index}": path for index, path in enumerate(p for p in wanted if p in present)}
+
+
+def mount_points(mountinfo: str) -> list[str]:
+    """The mount points of a /proc/PID/mountinfo, in its order, each once."""
+    seen: dict[str, None] = {}
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            seen.setdefault(_unescape(fields[4]))
+    return list(seen)
+
+
+def in_user_folder(path: str, lstat: Callable[[str], os.stat_result]) -> bool:
+    """Whether `path` lies in a folder that someone but root could change: a folder on the way to
+    it (from / to its parent) that is not a plain folder of root's, or that group or others may
+    write (the sticky /tmp too), or that cannot be looked at. `lstat` looks at one path without
+    following its last component. A verdict of False cannot be raced: only root can change a folder
+    of root's that no one else may write."""
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts)):
+        folder = "/" + "/".join(parts[:depth])
+        try:
+            st = lstat(folder)
+        except OSError:
+            return True
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of a /proc/PID/mountinfo: where, and which part (`root`) of which file system."""
+
+    point: str
+    root: str
+    device: str  # major:minor
+
+
+def mount_entries(mountinfo: str) -> list[MountEntry]:
+    entries = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            entries.append(MountEntry(_unescape(fields[4]), _unescape(fields[3]), fields[2]))
+    return entries
+
+
+def bind_sources(mount: MountEntry, host: list[MountEntry]) -> list[str]:
+    """Every host path criu may record as the source of an auto-detected external `mount` and bind
+    at restore: a host mount of the same file system whose root holds the mount's root, and below
+    its mount point the rest of that root (criu picks one of them, `find_best_external_match`)."""
+    sources = []
+    for entry in host:
+        if entry.device != mount.device:
+            continue
+        base = entry.root.rstrip("/")
+        if mount.root != entry.root and not mount.root.startswith(base + "/"):
+            continue
+        rest = mount.root[len(base):].strip("/")
+        sources.append(entry.point.rstrip("/") + "/" + rest if rest else entry.point)
+    return sources
+
+
+def user_folder_mounts(mountinfo: str, lstat: Callable[[str], os.stat_result], host_mountinfo: str = "",
+                       host_lstat: Callable[[str], os.stat_result] = os.lstat) -> list[str]:
+    """The mount points of a tree's namespace (`mountinfo`, its folders looked at with `lstat`)
+    that lie in a folder someone but root could change (`in_user_folder`), or that criu could bind
+    from such a folder of the host's (`bind_sources` among `host_mountinfo`, the mounts of criu's
+    own namespace, looked at with `host_lstat`): such a mount is left out of the checkpoint (criu's
+    skip_mnt), neither archived nor recorded as external. Recorded as an external host mount, its
+    source would be bound again by root at restore, by path, and a user who replaced a folder on
+    that path by a symlink could have root bind any folder into the job's namespace, past parents
+    its user may not enter."""
+    host = mount_entries(host_mountinfo)
+    risky = []
+    for mount in mount_entries(mountinfo):
+        if mount.point == "/" or mount.point in risky:
+            continue
+        if in_user_folder(mount.point, lstat) or any(in_user_folder(source, host_lstat)
+                                                     for source in bind_sources(mount, host)):
+            risky.append(mount.point)
+    return risky
 
 
 def _unescape(field: str) -> str:
@@ -234,11 +318,28 @@ class Criu:
         client.use_binary(str(self.binary))
         return pycriu, client
 
+    def _swrk(self, launch: Sequence[str]) -> tuple[socket.socket, subprocess.Popen]:
+        """criu's RPC worker (`criu swrk FD`) started through `launch`, and our end of its socket.
+        Started as pycriu starts it (inheriting this process's environment), as a child of this
+        process: a restored tree (rst_sibling) is this process's child too."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen([*launch, str(self.binary), "swrk", str(theirs.fileno())],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return ours, proc
+
     def dump(self, pid: int, images_dir: Path, leave_running: bool = False,
-             external: dict[str, str] | None = None, arm: bool = False, incremental: bool = False
-             ) -> DumpResult:
+             external: dict[str, str] | None = None, arm: bool = False, incremental: bool = False,
+             skip_mounts: Sequence[str] = ()) -> DumpResult:
         """Dump the tree of `pid`; `external`: its mounts that criu records by key, not content
-        (see external_mounts). `arm`: leave each process a write tracker (a periodic dump);
+        (see external_mounts); `skip_mounts`: mount points left out of the checkpoint altogether
+        (see user_folder_mounts). `arm`: leave each process a write tracker (a periodic dump);
         `incremental`: pages not written since the last armed dump are PE_PARENT holes, which
         `incremental.compose` fills from that dump's checkpoint. Both need `tracks_writes`."""
         if (arm or incremental) and not self.tracks_writes:
@@ -263,13 +364,17 @@ class Criu:
             client.opts.log_level = 4
             client.opts.file_locks = True
             client.opts.external.extend(dump_externals(external or {}))
+            client.opts.skip_mnt.extend(skip_mounts)
             _host_mounts_external(client.opts)
             _ignore_cgroups(client.opts)
             try:
                 client.dump()
             except pycriu.CRIUException as exc:
+                left_out = (f"\nleft out of the checkpoint, in folders someone but root could change: "
+                            f"{', '.join(skip_mounts)} (a process that holds a file there, or works "
+                            "there, cannot be checkpointed)" if skip_mounts else "")
                 raise CheckpointError(
-                    f"criu dump of pid {pid} failed: {exc}\n{_log_tail(images_dir / 'dump.log')}"
+                    f"criu dump of pid {pid} failed: {exc}{left_out}\n{_log_tail(images_dir / 'dump.log')}"
                 ) from exc
         finally:
             os.close(fd)
@@ -277,7 +382,7 @@ class Criu:
         return DumpResult(images_dir, pid, leave_running)
 
     def restore(self, images_dir: Path, check: Callable[[int], str | None] | None = None,
-                external: dict[str, str] | None = None) -> int:
+                external: dict[str, str] | None = None, launch: Sequence[str] = ()) -> int:
         """Restore the tree as a child of this process; returns the pid of its root (the ns init).
 
         `check(root_pid)` runs once every task is restored but before any of them runs or gets the
@@ -285,6 +390,11 @@ class Criu:
         so the job's user can neither signal, trace nor take descriptors from them). A message from
         it aborts the restore: criu kills the tree, and RestoreRefused carries the message.
         `external`: the dump's external mounts (key -> path), bound from this host's same path.
+        `launch`: a command line that execs the rest of its arguments once it has put itself where
+        the tree belongs (the job's cgroups, `node.jobtree.joining`): criu then runs there, and so
+        does every task it forks, from the first page it restores and the first socket it makes.
+        Joined only after the restore, the tree's restored memory stayed charged to the agent's
+        cgroup (no cgroup version moves charges with a task), out of the job's memory limit.
         """
         pycriu, client = self._client()
         from pycriu import rpc_pb2 as rpc
@@ -304,9 +414,13 @@ class Criu:
         _ignore_cgroups(req.opts)
         root_pid = 0
         refusal: str | None = None
+        swrk: subprocess.Popen | None = None
         try:
             try:
-                sock = client._comm.connect(False)
+                if launch:
+                    sock, swrk = self._swrk(launch)
+                else:
+                    sock = client._comm.connect(False)
                 try:
                     sock.send(req.SerializeToString())
                     while True:
@@ -326,8 +440,15 @@ class Criu:
                         ack.notify_success = ok
                         sock.send(ack.SerializeToString())
                 finally:
-                    client._comm.disconnect()
+                    if swrk is None:
+                        client._comm.disconnect()
+                    else:
+                        sock.close()
+                        swrk.wait()
             except (OSError, ValueError) as exc:
+                if swrk is not None and swrk.returncode == JOIN_FAILED:
+                    raise RestoreFailed(f"criu restore from {images_dir}: criu could not join the "
+                                        f"cgroups of its tree ({' '.join(launch[5:])})") from exc
                 raise RestoreFailed(f"criu restore from {images_dir}: lost criu: {exc}") from exc
         finally:
             os.close(fd)
@@ -371,9 +492,15 @@ def _ignore_cgroups(opts) -> None:
     opts.manage_cgroups_mode = rpc.IGNORE
 
 
+JOIN_FAILED = 124
+"""The status of a `launch` command that could not put itself into a cgroup (node.jobtree)."""
+
+
 def _receive(sock, rpc):
     """One message from criu's RPC socket (SOCK_SEQPACKET: one message per recv)."""
     size = len(sock.recv(1, socket.MSG_TRUNC | socket.MSG_PEEK))
+    if size == 0:
+        raise OSError("criu closed its socket without an answer")
     resp = rpc.criu_resp()
     resp.ParseFromString(sock.recv(size))
     return resp

@@ -175,6 +175,7 @@ class AgentState:
         self.stopping = False  # the agent is stopping: a restore in progress stops too
         self.last_checkpoint: dict | None = None
         self.cgroups: list[Path] = []  # the job's extern step cgroups on this node, once a caller showed them
+        self.proxies_charged = False  # this node's proxies of the job are in the job's cgroups
 
     # --- protocol ---------------------------------------------------------------------------------
 
@@ -357,6 +358,7 @@ class AgentState:
                         "SIGTERM at a requeue reaches it", self.job_id, self.node, problem)
         if found:
             self.cgroups = found
+            self._charge_proxies(pid)
             if self.run_dir is not None:
                 try:
                     jobcgroup.note_externs(self.run_dir, found, self.job_id)  # what the Epilog sweeps
@@ -373,6 +375,33 @@ class AgentState:
                         "are not contained (configure ProctrackType=proctrack/cgroup and "
                         "PrologFlags=Contain)", self.job_id, self.node, pid)
         return self.cgroups
+
+    def _charge_proxies(self, pid: int) -> None:
+        """Move this node's proxies of the job (the Prolog started them, outside the job) into the
+        job's cgroups as process `pid` of the job shows them, once: what they hold and use for the
+        job's ranks (regions they fault in, GPU contexts, cores) then counts against the job's
+        limits, not the node's."""
+        if self.proxies_charged or self.run_dir is None:
+            return
+        problems: list[str] = []
+        targets = jobcgroup.targets_of(pid, self.job_id, problems, name=jobcgroup.PROXIES)
+        for problem in problems:
+            LOG.warning("job %s node %s: %s; the job's proxies run in the extern step itself, where "
+                        "Slurm's SIGTERM at a requeue reaches them", self.job_id, self.node, problem)
+        if not targets:
+            return
+        entries = [entry for pidfile in sorted(self.run_dir.glob(f"{services.PROXY}*.pid"))
+                   if (entry := services.read_pidfile(pidfile)) is not None
+                   and services.running_pid(self.run_dir, pidfile.stem) is not None]  # not one that ended
+        failed = [problem for pid, start_time in entries
+                  for problem in jobcgroup.join_service(pid, start_time, targets, services.proc_start_time)]
+        for problem in failed:
+            LOG.warning("job %s node %s: cannot move a proxy into the job's cgroups: %s", self.job_id,
+                        self.node, problem)
+        self.proxies_charged = not failed
+        if not failed:
+            LOG.info("job %s node %s: proxies %s in the job's cgroups %s", self.job_id, self.node,
+                     [pid for pid, _ in entries], [str(t) for t in targets])
 
     def _running(self, trees: list[Tree], waiters: list) -> None:
         self.epoch += 1

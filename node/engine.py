@@ -29,6 +29,7 @@ from singularity_slurm.checkpoint.criu import (
     filelog_shim_path,
     frozen_seconds,
     reap,
+    user_folder_mounts,
     wrapper_path,
 )
 from singularity_slurm.checkpoint.generation import newest_first
@@ -241,14 +242,20 @@ class CheckpointEngine:
         proc = jobtree.spawn(spec, cgroup_procs=jobcgroup.procs_files(cgroups or []))
         self.devices = []
         self.track_base = None
-        init_pid = jobtree.namespace_init(proc.pid)
+        try:
+            init_pid = jobtree.namespace_init(proc.pid)  # it waits for the release: it is there
+        except BaseException:
+            proc.stdin.close()  # it ends unrun
+            raise
         try:  # for the Epilog, which ends the tree should the agent be killed first
             services.note_tree(self.run_dir, init_pid, parent=proc.pid)
         except ServiceError:
-            pass  # it has ended already (a command that fails at once): its waiter says how
+            pass  # it has ended already: its waiter says how
         except OSError as exc:
             jobtree.kill_tree(init_pid)
+            proc.stdin.close()
             raise CheckpointError(f"the job's tree could not be noted in {self.run_dir}: {exc}") from exc
+        jobtree.release(proc)
         deadline = time.monotonic() + 10
         while not jobtree.user_init_started(init_pid, spec.uid) and proc.poll() is None:
             if time.monotonic() > deadline:
@@ -377,14 +384,14 @@ class CheckpointEngine:
                     waited: float = 0.0, waited_frozen: bool = False) -> dict[str, Any]:
         output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
         faults.point(self.config, "dump", self.node)
-        external = self._external_mounts(init_pid)
+        external, skipped = self._tree_mounts(init_pid)
         with self._gpu_state_out(init_pid, stop) as gpu_meta:
             # Devices write to pinned host memory without faulting, which a write tracker cannot see:
             # a tree with CUDA processes is dumped whole every time.
             track = self.criu.tracks_writes and not gpu_meta
             base, self.track_base = (self.track_base if track else None), None
             self.criu.dump(init_pid, work, leave_running=not stop, external=external,
-                           arm=track and not stop, incremental=base is not None)
+                           arm=track and not stop, incremental=base is not None, skip_mounts=skipped)
         dumped = time.monotonic()
         frozen = frozen_seconds(work)
         devices = anondev.history(self.devices, anondev.checkpoint_devices(work))
@@ -406,22 +413,29 @@ class CheckpointEngine:
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
         if track and not stop:
             self.track_base = manifest
-        localfiles.tell_job(creds, output, local.notices, f"{NOTICE}checkpoint {manifest.seq}: ")
+        notices = local.notices + ([f"not carried: the mounts {', '.join(skipped)} (in folders someone but "
+                                    "root could change; a restored job sees the folders under them)"]
+                                   if skipped else [])
+        localfiles.tell_job(creds, output, notices, f"{NOTICE}checkpoint {manifest.seq}: ")
         faults.point(self.config, "commit", self.node)  # committed, not yet answered (nor requeued)
         summary = summarize(manifest, time.monotonic() - started)
         self._index(lambda registry: registry.record_checkpoint(
             job_id, summary, stop=stop, dump_seconds=manifest.meta.get("dump_seconds"),
             frozen_seconds=frozen, cut_seconds=cut_seconds, waited_seconds=round(waited, 3),
             waited_frozen=waited_frozen))
-        return {**summary, "notices": local.notices} if local.notices else summary
+        return {**summary, "notices": notices} if notices else summary
 
-    def _external_mounts(self, init_pid: int) -> dict[str, str]:
+    def _tree_mounts(self, init_pid: int) -> tuple[dict[str, str], list[str]]:
+        """The tree's mounts that criu records by key (gpu.external_mounts), and those it leaves out
+        (in folders someone but root could change, looked at in the tree's own namespace)."""
         try:
             mountinfo = Path(f"/proc/{init_pid}/mountinfo").read_text()
+            host = Path("/proc/self/mountinfo").read_text()  # criu's, whose mounts it binds from
         except OSError as exc:
             raise CheckpointError(f"cannot read the mounts of the job's tree (pid {init_pid}): "
                                   f"{exc.strerror}") from exc
-        return external_mounts(mountinfo, self.config.gpu.external_mounts)
+        skipped = user_folder_mounts(mountinfo, lambda path: os.lstat(f"/proc/{init_pid}/root{path}"), host)
+        return external_mounts(mountinfo, self.config.gpu.external_mounts), skipped
 
     @contextlib.contextmanager
     def _gpu_state_out(self, init_pid: int, stop: bool) -> Iterator[dict[str, Any]]:
@@ -579,7 +593,8 @@ class CheckpointEngine:
                                 if log_file.exists() else set())
                 problems = restorecheck.check_tree(pid, creds.uid, creds.groups, ignore=ignore)
                 if not problems:
-                    # Contained before it runs: criu leaves its tasks in criu's own cgroups.
+                    # criu ran in the job's cgroups, and its tasks with it: this finds them there
+                    # (and puts a task criu's own cgroups left elsewhere in, before it runs).
                     moved = jobcgroup.join(jobcgroup.tree(pid), cgroups)
                     return (f"the restored processes could not join the job's cgroups: {moved[0]}"
                             if moved else None)
@@ -594,8 +609,8 @@ class CheckpointEngine:
                 proxies_bring_in = gpu_pairs(self.rank, gpu_plan[1])
             devices = anondev.history(manifest.meta.get("anon_devs"), anondev.checkpoint_devices(image_dir))
             with anondev.reserved(devices, self.config.paths.state_dir / anondev.LOCK_NAME):
-                pid = self.criu.restore(image_dir, check=check,
-                                        external=self._restore_mounts(manifest))
+                pid = self.criu.restore(image_dir, check=check, external=self._restore_mounts(manifest),
+                                        launch=jobtree.joining(jobcgroup.procs_files(cgroups)))
             self.devices = devices
             if gpu_plan is not None:
                 self._gpu_state_in(pid, manifest, *gpu_plan, with_swapped=not proxies_bring_in)

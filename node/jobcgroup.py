@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import stat
 import time
@@ -97,6 +98,14 @@ def memberships(proc_cgroup: str) -> list[tuple[frozenset[str], str]]:
 SHELTER = "singularity"
 """The cgroup below the extern step that holds the trees in the tracking hierarchy."""
 
+PROXIES = "singularity-proxies"
+"""The cgroup beside the shelter that holds the job's proxies on the node, in the tracking
+hierarchy: the memory, cores and devices they use for the job count against the job's limits (in
+the other hierarchies they join the extern step itself), and neither Slurm's signals nor the
+freeze of a tree waiting for a dump slot reach them. Where the job's user took the name first, they
+join the extern step itself, as a tree does: still the job's limits, and Slurm's SIGTERM at a
+requeue then ends them, which costs only that job its checkpoint."""
+
 
 def tracks(mount: Mount) -> bool:
     """Whether Slurm's process tracking signals through this hierarchy: v1's freezer, or v2."""
@@ -105,10 +114,11 @@ def tracks(mount: Mount) -> bool:
 
 def extern_targets(proc_cgroup: str, mountinfo: str, job_id: int,
                    is_dir: Callable[[Path], bool] = os.path.isdir,
-                   listdir: Callable[[Path], list[str]] = os.listdir, shelter: bool = False) -> list[Path]:
+                   listdir: Callable[[Path], list[str]] = os.listdir, shelter: bool = False,
+                   name: str = SHELTER) -> list[Path]:
     """The folders of the job's extern step that a process of the job's (whose /proc/PID/cgroup is
     `proc_cgroup`) points to, one per hierarchy that has one. With `shelter`, the tracking
-    hierarchy's is the extern step's `SHELTER` cgroup instead (which may not exist yet)."""
+    hierarchy's is the extern step's cgroup `name` instead (which may not exist yet)."""
     step = _step_path(job_id)
     mounts = cgroup_mounts(mountinfo)
     targets = []
@@ -134,7 +144,7 @@ def extern_targets(proc_cgroup: str, mountinfo: str, job_id: int,
             if not shelter:
                 extern = extern / "user" / leaf
         if shelter and tracks(mount):
-            extern = extern / SHELTER
+            extern = extern / name
         if extern not in targets:
             targets.append(extern)
     return targets
@@ -162,17 +172,18 @@ def _list(listdir: Callable[[Path], list[str]], path: Path) -> list[str]:
         return []
 
 
-def targets_of(pid: int, job_id: int, problems: list[str] | None = None) -> list[Path]:
+def targets_of(pid: int, job_id: int, problems: list[str] | None = None,
+               name: str = SHELTER) -> list[Path]:
     """The cgroups a tree of the job joins, as seen from process `pid` (a process of the job's on
-    this node): the extern step's, its `SHELTER` (made here) in the tracking hierarchy. Where the
-    shelter cannot be had, the extern step's own folder, and the reason in `problems`."""
+    this node): the extern step's, its shelter `name` (made here) in the tracking hierarchy. Where
+    the shelter cannot be had, the extern step's own folder, and the reason in `problems`."""
     try:
         proc_cgroup = Path(f"/proc/{pid}/cgroup").read_text()
         mountinfo = Path("/proc/self/mountinfo").read_text()
     except OSError:
         return []
     plain = extern_targets(proc_cgroup, mountinfo, job_id)
-    sheltered = extern_targets(proc_cgroup, mountinfo, job_id, shelter=True)
+    sheltered = extern_targets(proc_cgroup, mountinfo, job_id, shelter=True, name=name)
     if len(plain) != len(sheltered):  # the folders changed between the two looks
         return plain
     chosen = []
@@ -243,6 +254,28 @@ def join(pids: Iterable[int], targets: Iterable[Path]) -> list[str]:
             except OSError as exc:
                 problems.append(f"pid {pid} into {target}: {exc.strerror or exc}")
     return problems
+
+
+def join_service(pid: int, start_time: int, targets: Iterable[Path],
+                 started: Callable[[int], int | None]) -> list[str]:
+    """Move one process, named by its pid and its start time (`started(pid)`, as the kernel counts
+    it), into every target; the problems, as text. Its pidfd is opened before the start time is
+    compared and looked at again after each move: a process that still runs then is the one that
+    was moved (its pid could not have been another's meanwhile), so a recycled pid is never moved,
+    and one found to have ended stops the moves (what was moved is the Epilog's to sweep)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return [f"pid {pid} has ended"]
+    try:
+        if started(pid) != start_time:
+            return [f"pid {pid} is no longer the process its pid file names"]
+        problems = join([pid], targets)
+        if select.select([fd], [], [], 0)[0]:  # readable: it has ended
+            problems.append(f"pid {pid} ended while it was moved")
+        return problems
+    finally:
+        os.close(fd)
 
 
 def tree(root_pid: int) -> list[int]:

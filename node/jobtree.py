@@ -27,10 +27,13 @@ from pathlib import Path
 from singularity_slurm import rootexec
 from singularity_slurm.errors import ServiceError
 
-# pid 1 of the namespace, as root with a clean environment: private /dev/shm, then become the user
-# (still pid 1), who reads the job's environment from fd $envfd and becomes the user init with it.
+# pid 1 of the namespace, as root with a clean environment: wait for the agent's go on stdin (it has
+# noted this init by then, see `release`; the agent's end closed without it, nothing runs), private
+# /dev/shm, then become the user (still pid 1), who reads the job's environment from fd $envfd and
+# becomes the user init with it.
 _ROOT_INIT = r"""
 mount=$1 setpriv=$2 uid=$3 gid=$4 python=$5 user_exec=$6 envfd=$7 shell=$8 user_init=$9; shift 9
+read -r go || exit 125
 "$mount" -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm || exit 121
 exec "$setpriv" --reuid="$uid" --regid="$gid" --init-groups -- \
     "$python" -I -S -c "$user_exec" "$envfd" "$shell" -c "$user_init" singularity-init "$@"
@@ -49,7 +52,7 @@ wait $!
 # so that nothing of the tree ever runs outside them.
 _JOIN_CGROUPS = r"""
 n=$1; shift
-while [ "$n" -gt 0 ]; do echo $$ >"$1" || exit 124; shift; n=$((n - 1)); done
+while [ "$n" -gt 0 ]; do echo $$ >"$1" || exit 124; shift; n=$((n - 1)); done  # 124: criu.JOIN_FAILED
 exec "$@"
 """
 
@@ -83,14 +86,22 @@ class Programs:
                    shell=SHELL, python=sys.executable)
 
 
+def joining(cgroup_procs: Sequence[str], shell: str = SHELL) -> list[str]:
+    """A command line prefix that writes its own pid into each of `cgroup_procs` (the cgroup.procs
+    files of the job's cgroups) and then execs the rest of its arguments, there; it exits with
+    criu.JOIN_FAILED where it cannot. Empty without cgroups."""
+    if not cgroup_procs:
+        return []
+    return [shell, "-c", _JOIN_CGROUPS, "singularity-join-cgroups", str(len(cgroup_procs)), *cgroup_procs]
+
+
 def spawn_argv(spec: TreeSpec, programs: Programs, env_fd: int,
                cgroup_procs: Sequence[str] = ()) -> list[str]:
     """The command line of `unshare` (after joining `cgroup_procs`, the cgroup.procs files of the
     job's cgroups); it holds no part of the job's environment (argv is public)."""
-    join = ([programs.shell, "-c", _JOIN_CGROUPS, "singularity-join-cgroups", str(len(cgroup_procs)),
-             *cgroup_procs] if cgroup_procs else [])
-    return [*join, programs.unshare, "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
-            "--", programs.setsid, programs.shell, "-c", _ROOT_INIT, "singularity-root-init",
+    return [*joining(cgroup_procs, programs.shell), programs.unshare, "--pid", "--fork", "--mount",
+            "--mount-proc", "--propagation", "private", "--", programs.setsid, programs.shell, "-c",
+            _ROOT_INIT, "singularity-root-init",
             programs.mount, programs.setpriv, str(spec.uid), str(spec.gid), programs.python,
             rootexec.USER_EXEC, str(env_fd), programs.shell, _USER_INIT, spec.output, spec.cwd,
             *spec.argv]
@@ -98,7 +109,8 @@ def spawn_argv(spec: TreeSpec, programs: Programs, env_fd: int,
 
 def spawn(spec: TreeSpec, programs: Programs | None = None,
           cgroup_procs: Sequence[str] = ()) -> subprocess.Popen:
-    """Start the tree; the returned process is `unshare`, the parent of the namespace's init.
+    """Start the tree, held until `release`; the returned process is `unshare`, the parent of the
+    namespace's init.
 
     Everything that runs as root (unshare, setsid, sh, mount, setpriv) runs with a clean
     environment; the job's environment travels in a memory file only the tree's init inherits, and
@@ -111,13 +123,24 @@ def spawn(spec: TreeSpec, programs: Programs | None = None,
         raise ServiceError(f"cannot hand the job's environment to its processes: {exc.strerror}") from exc
     try:
         return subprocess.Popen(spawn_argv(spec, programs, env_fd, cgroup_procs), env=rootexec.clean_env(),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(env_fd,),
                                 start_new_session=True, cwd="/")
     except OSError as exc:
         raise ServiceError(f"cannot start the job's processes: {exc.strerror}") from exc
     finally:
         os.close(env_fd)
+
+
+def release(proc: subprocess.Popen) -> None:
+    """Let a spawned tree run: until then its namespace init waits, so it cannot end (and leave
+    `namespace_init` nothing to find) before the agent has found and noted it. Closing without the
+    go (`proc.stdin.close()`) ends it unrun."""
+    try:
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+    except BrokenPipeError:  # it ended already: its waiter says how
+        pass
 
 
 def namespace_init(unshare_pid: int, timeout: float = 10.0) -> int:

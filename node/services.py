@@ -22,6 +22,9 @@ from singularity_slurm.errors import ServiceError
 AGENT = "agent"
 """The node agent's service name: the Prolog starts it, the Epilog stops it before the proxies."""
 
+PROXY = "proxy-"
+"""The prefix of the proxies' service names (`proxy-gpu0`, `proxy-cpu1`)."""
+
 
 @dataclass(frozen=True)
 class ServiceSpec:

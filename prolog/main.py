@@ -28,7 +28,7 @@ from singularity_slurm.nodelog import node_logger
 from singularity_slurm.slurmcli import SlurmClient, parse_time
 
 AGENT = services.AGENT
-PROXY = "proxy-"
+PROXY = services.PROXY
 
 
 def agent_spec(job: JobContext, run_dir: Path) -> services.ServiceSpec:

@@ -155,25 +155,39 @@ os.makedirs(os.path.dirname(path), exist_ok=True)
 with open(path, "w") as handle:
     handle.write("written before the migration\\n")
 print("wrote", path, flush=True)
+print("mount in /tmp at the start holds:", sorted(os.listdir(TMP_MOUNT)), flush=True)
 for step in range(1, 41):
     print("step", step, flush=True)
     time.sleep(0.25)
 print("read back:", open(path).read().strip(), flush=True)
 print("host mount holds:", sorted(os.listdir(HOST_MOUNT)), flush=True)
+print("mount in /tmp holds:", sorted(os.listdir(TMP_MOUNT)) if os.path.isdir(TMP_MOUNT) else None, flush=True)
 """
 
 
-@pytest.fixture
-def host_tmpfs() -> Iterator[Path]:
-    """A tmpfs the host mounts before the job starts, as a site's /run or an admin's scratch: the
-    job's mount namespace begins with a copy of it."""
-    path = Path(tempfile.mkdtemp(prefix="singularity-host-mount-", dir="/tmp"))
+def _tmpfs_in(folder: str) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="singularity-host-mount-", dir=folder))
+    path.chmod(0o755)  # the folder under the mount, which a job sees where the mount is left out
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=755", "tmpfs", str(path)], check=True)
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
         path.rmdir()
+
+
+@pytest.fixture
+def host_tmpfs() -> Iterator[Path]:
+    """A tmpfs the host mounts before the job starts, as a site's /run or an admin's scratch, in a
+    folder of root's: the job's mount namespace begins with a copy of it."""
+    yield from _tmpfs_in("/mnt")
+
+
+@pytest.fixture
+def tmp_tmpfs() -> Iterator[Path]:
+    """A tmpfs mounted in /tmp, a folder every user may change: on the restoring node its path may
+    be a user's symlink by then, so it must not be bound again by root."""
+    yield from _tmpfs_in("/tmp")
 
 
 @pytest.fixture
@@ -187,9 +201,11 @@ def shm_flood() -> Iterator[Path]:
 
 
 def test_a_file_written_in_tmp_travels_with_a_migration_and_the_hosts_mounts_stay_the_hosts(
-        jobs, job_user, other_user, host_tmpfs, shm_flood):
+        jobs, job_user, other_user, host_tmpfs, tmp_tmpfs, shm_flood):
     (host_tmpfs / "before").write_bytes(os.urandom(8 << 20))
-    jobs.script("local_file.py", f"HOST_MOUNT = {str(host_tmpfs)!r}\n" + LOCAL_FILE_SCRIPT)
+    (tmp_tmpfs / "mounted").write_text("on the tmpfs in /tmp\n")
+    jobs.script("local_file.py", f"HOST_MOUNT = {str(host_tmpfs)!r}\nTMP_MOUNT = {str(tmp_tmpfs)!r}\n"
+                + LOCAL_FILE_SCRIPT)
     job_id = jobs.submit(jobs.script("local.sh", LOCAL_FILE_JOB))
     log = jobs.wait_for_file("local.out")
     _wait_for_text(jobs, job_id, log, "step 4\n")
@@ -215,6 +231,10 @@ def test_a_file_written_in_tmp_travels_with_a_migration_and_the_hosts_mounts_sta
     assert jobs.record(job_id)["NodeList"] != first_node
     assert "read back: written before the migration" in log.read_text()
     assert "host mount holds: ['after']" in log.read_text(), log.read_text()[-2000:]
+    # The mount in /tmp is left out of the checkpoint: the restored job sees the folder under it.
+    assert "mount in /tmp at the start holds: ['mounted']" in log.read_text()
+    assert "mount in /tmp holds: []" in log.read_text(), log.read_text()[-2000:]
+    assert f"not carried: the mounts {tmp_tmpfs} (in folders someone but root could change" in log.read_text()
     committed = re.search(r"checkpoint \d+ committed in [\d.]+s: ([\d.]+) MiB", log.read_text())
     assert committed and float(committed[1]) < 8, log.read_text()  # the job's own few MiB only
     assert scratch.read_text() == "written before the migration\n"

@@ -238,7 +238,17 @@ def test_garbage_and_strangers_on_the_proxy_mesh_ports_do_not_disturb_a_job(jobs
         assert (jobs.workdir / "logs" / f"{rank}.log").read_text() == reference[rank], f"rank {rank}"
 
 
-def test_the_rank_socket_folder_is_roots_and_a_running_jobs_sockets_are_its_users(jobs, config):
+def cgroups_of(pid: int) -> dict[str, str]:
+    """A process's cgroup in each v1 hierarchy, by controllers (`freezer`, `devices`, ...)."""
+    return {line.split(":", 2)[1]: line.split(":", 2)[2]
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()}
+
+
+def test_a_running_jobs_rank_sockets_are_its_users_and_its_proxies_run_in_its_cgroups(jobs, config):
+    """The proxies hold memory for the job's ranks (a hostile rank once had its proxy fault in
+    768 MiB of regions outside every limit of the job's): once the job's step starts its trees they
+    run in the job's cgroups, beside the trees, out of reach of Slurm's signals and of a tree's
+    freeze, and the Epilog removes their cgroup."""
     copy_example(jobs, "train_ddp.py")
     job_id = jobs.submit(jobs.script("plain.sh", job_script(
         "basic", f"#SBATCH --gres=gpu:{WORLD}", WORLD, "train_ddp.py --steps 40 --sleep 0.3")))
@@ -250,11 +260,23 @@ def test_the_rank_socket_folder_is_roots_and_a_running_jobs_sockets_are_its_user
     assert (st.st_uid, oct(st.st_mode & 0o7777)) == (0, "0o755")
     sockets = {p.name: (p.lstat().st_uid, oct(p.lstat().st_mode & 0o777)) for p in folder.iterdir()}
     assert sockets == {f"{r}.sock": (user.pw_uid, "0o600") for r in range(WORLD)}
+
+    node = jobs.record(job_id)["NodeList"]
+    run_dir = job_run_dir(config.paths.state_dir, node, job_id)
+    proxies = sorted({services.running_pid(run_dir, p.stem) for p in run_dir.glob("proxy-*.pid")} - {None})
+    agent = services.running_pid(run_dir, services.AGENT)
+    assert len(proxies) == WORLD and agent is not None, proxies
+    extern = f"/slurm_{node}/uid_{user.pw_uid}/job_{job_id}/step_extern"
+    for proxy in proxies:
+        where = cgroups_of(proxy)
+        assert (where["freezer"], where["devices"]) == (f"{extern}/singularity-proxies", extern), where
+    assert f"job_{job_id}" not in cgroups_of(agent)["freezer"]  # the agent, which dumps, stays out
     jobs.wait_state(job_id, "COMPLETED", timeout=300)
+    proxies_cgroup = Path(f"/sys/fs/cgroup/freezer{extern}/singularity-proxies")
     deadline = time.monotonic() + 60
-    while folder.exists() and time.monotonic() < deadline:  # the proxies, then the Epilog, remove it
-        time.sleep(0.5)
-    assert not folder.exists()
+    while (folder.exists() or proxies_cgroup.exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the proxies, then the Epilog, remove them
+    assert not folder.exists() and not proxies_cgroup.exists()
 
 
 HIDER = """#!/bin/bash

@@ -21,7 +21,7 @@ import pytest
 
 from singularity_slurm import rpc
 from singularity_slurm.interpose.pyhook._singularity_worker import wire
-from singularity_slurm.node import jobcgroup
+from singularity_slurm.node import jobcgroup, services
 from singularity_slurm.node.agent import (
     MAX_REQUEST,
     AgentState,
@@ -434,7 +434,7 @@ def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     extern = tmp_path / "freezer" / "slurm_n9" / f"uid_{JOB_UID}" / "job_7" / "step_extern"
     # a login shell's cgroups
-    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id, problems=None: [])
+    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id, problems=None, name=None: [])
     monkeypatch.setattr(jobcgroup, "caller_in_a_step", lambda pid, job_id: False)
     monkeypatch.setattr(jobcgroup, "extern_steps", lambda job_id: [extern])
     engine = RecordingEngine()
@@ -449,18 +449,100 @@ def test_a_start_or_restore_from_outside_the_jobs_steps_is_refused_where_the_job
 
     # a caller in a step of the job is served; one from outside still is not
     monkeypatch.setattr(jobcgroup, "targets_of",
-                        lambda pid, job_id, problems=None: [extern] if pid == 1 else [])
+                        lambda pid, job_id, problems=None, name=None: [extern] if pid == 1 else [])
     assert state.handle(START, JOB_UID, peer_pid=1)["ok"]
     assert state.cgroups == [extern]
     engine.trees[0].kill()
     assert state.handle({"op": "restore"}, JOB_UID, peer_pid=4242)["kind"] == "forbidden"
 
 
+def test_the_nodes_proxies_join_the_jobs_cgroups_beside_the_trees_once_a_step_shows_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Prolog starts the proxies outside the job; the first start from a step of the job moves
+    them (and their children) into the job's cgroups, so what they hold for its ranks is the job's."""
+    extern = tmp_path / "freezer" / "job_7" / "step_extern"
+    devices = tmp_path / "devices" / "job_7" / "step_extern"
+    proxies, shelter = extern / jobcgroup.PROXIES, extern / jobcgroup.SHELTER
+    for folder in (proxies, shelter, devices):
+        folder.mkdir(parents=True)
+    asked: list[str] = []
+
+    def targets(pid: int, job_id: int, problems: list[str] | None = None, name: str = jobcgroup.SHELTER):
+        asked.append(name)
+        return [extern / name, devices] if pid == 1 else []
+
+    monkeypatch.setattr(jobcgroup, "targets_of", targets)
+    proxy = subprocess.Popen(["sleep", "60"])
+    stray = subprocess.Popen(["sleep", "60"])
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        for name, pid in ((f"{services.PROXY}cpu0", proxy.pid), (services.AGENT, stray.pid)):
+            (run_dir / f"{name}.pid").write_text(json.dumps(
+                {"pid": pid, "start_time": services.proc_start_time(pid)}))
+        (run_dir / f"{services.PROXY}cpu1.pid").write_text(json.dumps({"pid": stray.pid, "start_time": 1}))
+        engine = RecordingEngine()
+        state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=run_dir)
+
+        assert state.handle(START, JOB_UID, peer_pid=1)["ok"]
+        # only the live proxy named by its pid file, not the agent, nor a pid file whose process is gone
+        assert (proxies / "cgroup.procs").read_text() == f"{proxy.pid}\n"
+        assert (devices / "cgroup.procs").read_text() == f"{proxy.pid}\n"
+        assert not (shelter / "cgroup.procs").exists()  # the trees' own shelter: RecordingEngine's
+        assert state.cgroups == [extern / jobcgroup.SHELTER, devices] and state.proxies_charged
+        engine.trees[0].kill()
+        (proxies / "cgroup.procs").unlink()
+        deadline = time.monotonic() + 10
+        while state.state == TreeState.RUNNING and time.monotonic() < deadline:  # its watcher saw it end
+            time.sleep(0.01)
+        assert state.handle(START, JOB_UID, peer_pid=1)["ok"]
+        assert not (proxies / "cgroup.procs").exists()  # once
+        engine.trees[-1].kill()
+        assert asked.count(jobcgroup.PROXIES) == 1
+    finally:
+        for child in (proxy, stray):
+            child.kill()
+            child.wait()
+
+
+def test_proxies_whose_cgroup_a_user_took_first_join_the_extern_step_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Still within the job's limits: taking the name costs the user only its own proxies' shelter
+    from Slurm's SIGTERM."""
+    extern = tmp_path / "freezer" / "job_7" / "step_extern"
+    extern.mkdir(parents=True)
+
+    def targets(pid: int, job_id: int, problems: list[str] | None = None, name: str = jobcgroup.SHELTER):
+        if name == jobcgroup.PROXIES and problems is not None:
+            problems.append(f"{extern / name} is not root's (uid 1001): someone made it before the agent")
+            return [extern]
+        return [extern / name]
+
+    monkeypatch.setattr(jobcgroup, "targets_of", targets)
+    proxy = subprocess.Popen(["sleep", "60"])
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        (run_dir / f"{services.PROXY}cpu0.pid").write_text(json.dumps(
+            {"pid": proxy.pid, "start_time": services.proc_start_time(proxy.pid)}))
+        engine = RecordingEngine()
+        state = AgentState(7, JOB_UID, "n9", engine=engine, run_dir=run_dir)
+
+        assert state.handle(START, JOB_UID, peer_pid=1)["ok"]
+        assert (extern / "cgroup.procs").read_text() == f"{proxy.pid}\n" and state.proxies_charged
+        assert ("someone made it before the agent; the job's proxies run in the extern step itself"
+                in caplog.text)
+        engine.trees[0].kill()
+    finally:
+        proxy.kill()
+        proxy.wait()
+
+
 def test_a_step_of_the_job_on_a_node_without_its_extern_step_is_served_uncontained(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Slurm skips the Prolog, and with it the extern step, on a node a requeued job comes back to
     soon; another node of the job (the same host in the dev cluster) may still show one."""
-    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id, problems=None: [])
+    monkeypatch.setattr(jobcgroup, "targets_of", lambda pid, job_id, problems=None, name=None: [])
     monkeypatch.setattr(jobcgroup, "caller_in_a_step", lambda pid, job_id: True)
     monkeypatch.setattr(jobcgroup, "extern_steps", lambda job_id: [tmp_path / "job_7" / "step_extern"])
     engine = RecordingEngine()

@@ -253,6 +253,81 @@ def test_external_mounts_are_the_configured_ones_present() -> None:
     assert restore_externals(mounts) == ["mnt[ext0]:/usr/local/nvidia"]
 
 
+def test_mounts_in_folders_someone_but_root_could_change_are_left_out_of_a_checkpoint() -> None:
+    import os
+    import stat as stat_mod
+
+    from singularity_slurm.checkpoint.criu import in_user_folder, mount_points, user_folder_mounts
+
+    def entry(mode: int, uid: int = 0) -> os.stat_result:
+        return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+    folder, link = stat_mod.S_IFDIR, stat_mod.S_IFLNK
+    tree = {"/": entry(folder | 0o755), "/dev": entry(folder | 0o755), "/dev/shm": entry(folder | 0o1777),
+            "/tmp": entry(folder | 0o1777), "/run": entry(folder | 0o755), "/run/user": entry(folder | 0o755),
+            "/home": entry(folder | 0o755), "/home/alice": entry(folder | 0o700, uid=1001),
+            "/srv": entry(folder | 0o775), "/opt": entry(link | 0o777), "/usr": entry(folder | 0o755),
+            "/usr/local": entry(folder | 0o755)}
+
+    def lstat(path: str) -> os.stat_result:
+        if path not in tree:
+            raise FileNotFoundError(path)
+        return tree[path]
+
+    info = "".join(f"{n} 1 0:{n} / {point} rw - tmpfs tmpfs rw\n" for n, point in enumerate([
+        "/", "/dev/shm", "/dev/shm", "/run/user/1001", "/tmp/scratch", "/tmp/scratch/inner",
+        "/home/alice/fuse", "/srv/data", "/opt/x", "/usr/local/nvidia", "/gone/mnt", "/dev/shm/sub"], 20))
+    assert mount_points(info)[:3] == ["/", "/dev/shm", "/run/user/1001"]  # each once
+    # root's folders no one else may write: kept (bound from the host, or the job's own /dev/shm)
+    assert not in_user_folder("/", lstat) and not in_user_folder("/dev/shm", lstat)
+    assert not in_user_folder("/run/user/1001", lstat) and not in_user_folder("/usr/local/nvidia", lstat)
+    # the sticky /tmp and /dev/shm, a user's home, a group-writable folder, a symlink, what is gone
+    assert user_folder_mounts(info, lstat) == ["/tmp/scratch", "/tmp/scratch/inner", "/home/alice/fuse",
+                                               "/srv/data", "/opt/x", "/gone/mnt", "/dev/shm/sub"]
+
+
+def test_a_mount_criu_would_bind_from_a_folder_someone_but_root_could_change_is_left_out() -> None:
+    """criu binds an auto-detected external mount from the host's mount of the same file system
+    whose root holds it, plus the rest of its root: a bind of /scratch/alice/data at /data is bound
+    from /scratch/alice/data, in alice's folder, however root's /data looks."""
+    import os
+    import stat as stat_mod
+
+    from singularity_slurm.checkpoint.criu import MountEntry, bind_sources, user_folder_mounts
+
+    def entry(mode: int, uid: int = 0) -> os.stat_result:
+        return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+    folder = stat_mod.S_IFDIR
+    host_tree = {"/": entry(folder | 0o755), "/scratch": entry(folder | 0o755),
+                 "/scratch/alice": entry(folder | 0o755, uid=1001), "/dev": entry(folder | 0o755)}
+    tree = {"/": entry(folder | 0o755), "/dev": entry(folder | 0o755)}
+
+    def lstat_in(files: dict):
+        def lstat(path: str) -> os.stat_result:
+            if path not in files:
+                raise FileNotFoundError(path)
+            return files[path]
+        return lstat
+
+    host = ("20 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+            "21 20 8:2 / /scratch rw - xfs /dev/sdb1 rw\n"
+            "22 20 8:2 /alice/data /data rw - xfs /dev/sdb1 rw\n"
+            "23 20 0:24 / /dev/shm rw - tmpfs tmpfs rw\n")
+    ns = ("30 29 8:1 / / rw - ext4 /dev/sda1 rw\n"
+          "31 30 8:2 /alice/data /data rw - xfs /dev/sdb1 rw\n"
+          "32 30 8:2 / /scratch rw - xfs /dev/sdb1 rw\n"
+          "33 30 0:24 / /dev/shm rw - tmpfs tmpfs rw\n"
+          "34 30 0:99 / /dev/shm rw - tmpfs tmpfs rw\n")
+    data = MountEntry("/data", "/alice/data", "8:2")
+    others = [MountEntry("/scratch", "/", "8:2"), MountEntry("/data", "/alice/data", "8:2"),
+              MountEntry("/mnt/a", "/alice", "8:2"), MountEntry("/x", "/al", "8:2"),
+              MountEntry("/y", "/", "8:3")]
+    assert sorted(bind_sources(data, others)) == ["/data", "/mnt/a/data", "/scratch/alice/data"]
+    assert user_folder_mounts(ns, lstat_in(tree), host, lstat_in(host_tree)) == ["/data"]
+    assert user_folder_mounts(ns, lstat_in(tree)) == []  # looked at in the tree's namespace alone: missed
+
+
 def test_agent_gpu_indices() -> None:
     assert gpu_indices("") == []
     assert gpu_indices("0,2") == [0, 2]

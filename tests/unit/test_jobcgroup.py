@@ -180,6 +180,38 @@ def test_on_cgroup_v2_the_shelter_is_a_leaf_of_its_own_beside_slurms() -> None:
     assert targets == [Path(extern) / jobcgroup.SHELTER]
 
 
+def test_the_proxies_cgroup_is_beside_the_trees_shelter_and_elsewhere_the_extern_step() -> None:
+    base = "/sys/fs/cgroup/{}/slurm_n1/uid_1000/job_57/step_extern"
+    targets = jobcgroup.extern_targets(
+        LAUNCHER_V1, HYBRID_MOUNTINFO, 57, shelter=True, name=jobcgroup.PROXIES,
+        is_dir=existing(base.format("freezer"), base.format("devices")))
+
+    assert targets == [Path(base.format("freezer")) / jobcgroup.PROXIES, Path(base.format("devices"))]
+    assert jobcgroup.freezable(targets) == []  # a tree's freeze for a dump slot leaves them running
+
+
+def test_a_service_is_moved_only_while_its_pid_is_the_process_its_pid_file_named(tmp_path: Path) -> None:
+    import subprocess
+
+    from singularity_slurm.node import services
+
+    target = tmp_path / "proxies"
+    target.mkdir()
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        started = services.proc_start_time(proc.pid)
+        assert jobcgroup.join_service(proc.pid, started + 1, [target], services.proc_start_time) == [
+            f"pid {proc.pid} is no longer the process its pid file names"]
+        assert not (target / "cgroup.procs").exists()  # a recycled pid: not moved
+        assert jobcgroup.join_service(proc.pid, started, [target], services.proc_start_time) == []
+        assert (target / "cgroup.procs").read_text() == f"{proc.pid}\n"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert jobcgroup.join_service(proc.pid, started, [target], services.proc_start_time) == [
+        f"pid {proc.pid} has ended"]
+
+
 def test_a_shelter_someone_else_made_first_is_not_used(tmp_path: Path) -> None:
     ours = tmp_path / "ours"
     assert jobcgroup.make_shelter(ours) is None and ours.is_dir()

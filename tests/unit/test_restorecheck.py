@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
@@ -352,6 +353,31 @@ def test_a_watch_on_what_its_user_may_read_passes(jobuser, root_dir):
 
 def _reg(id_: int, name: str) -> dict:
     return {"type": "REG", "id": id_, "reg": {"id": id_, "name": name, "flags": 0}}
+
+
+def test_host_mounts_a_restore_would_bind_from_a_folder_someone_but_root_could_change_are_risks():
+    """Checked on the restoring node, whose folders may not be the dumping node's: a recorded
+    source under /tmp, or whose folder became a symlink there, is refused; root's folders pass."""
+    folder, link = stat.S_IFDIR, stat.S_IFLNK
+    host = {"/": (folder | 0o755, 0), "/dev": (folder | 0o755, 0), "/dev/shm": (folder | 0o1777, 0),
+            "/srv": (folder | 0o755, 0), "/srv/data": (folder | 0o755, 0),
+            "/tmp": (folder | 0o1777, 0), "/scratch": (link | 0o777, 0), "/home": (folder | 0o755, 0),
+            "/home/alice": (folder | 0o755, 1001)}
+
+    def lstat(path: str) -> os.stat_result:
+        if path not in host:
+            raise FileNotFoundError(path)
+        mode, uid = host[path]
+        return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+    auto = restorecheck.AUTODETECTED
+    mounts = [{"ext_key": auto, "source": path} for path in (
+        "/srv/data/mnt/", "/dev/shm/", "/tmp/mnt", "/scratch/mnt", "/home/alice/fuse", "relative/mnt",
+        "/gone/mnt")] + [{"ext_key": None, "source": "/dev/vda"}, {"ext_key": "ext0", "source": "/tmp/x"}]
+
+    assert restorecheck.mount_risks(mounts, lstat) == [
+        f"a host mount bound from {path}, in a folder someone but root could change"
+        for path in ("/tmp/mnt", "/scratch/mnt", "/home/alice/fuse", "relative/mnt", "/gone/mnt")]
 
 
 def test_deleted_files_still_open_outside_the_private_dev_shm_are_risks():
