@@ -56,6 +56,7 @@ class Facts:
     node_files: dict[str, bool] = field(default_factory=dict)  # "criu wrapper" -> exists
     redis_error: str | None = "not checked"
     redis_requires_auth: bool | None = None
+    redis_eviction: str | None = None  # maxmemory-policy, where CONFIG GET answered
 
 
 def _has_flag(value: str | None, flag: str) -> bool:
@@ -219,7 +220,20 @@ def evaluate(facts: Facts, config: Config) -> list[Result]:
                    else "accepts clients without a password",
                    "set requirepass in redis.conf and put the password in "
                    f"{config.redis.password_file}"))
+        add(eviction_result(facts.redis_eviction))
     return results
+
+
+def eviction_result(policy: str | None) -> Result:
+    """Redis must never evict a key to make room: the registry, the checkpoint index and the
+    rendezvous records are not a cache (a full Redis refuses writes instead, which the components
+    meet as they meet a Redis outage)."""
+    if policy is None:
+        return Result("redis eviction", True, "CONFIG GET is not allowed here: make sure redis.conf has "
+                      "maxmemory-policy noeviction")
+    return Result("redis eviction", policy == "noeviction", f"maxmemory-policy {policy}"
+                  + ("" if policy == "noeviction" else ": Redis may drop registry and checkpoint index keys"),
+                  "set maxmemory-policy noeviction in redis.conf")
 
 
 def _read(path: Path) -> str | None:
@@ -290,6 +304,7 @@ def gather(config: Config, slurm: SlurmClient) -> Facts:
         facts.redis_error = None
         import redis
 
+        facts.redis_eviction = _eviction_policy(config)
         try:
             redis_client(config.redis, timeout=3, authenticate=False).ping()
             facts.redis_requires_auth = False
@@ -300,6 +315,16 @@ def gather(config: Config, slurm: SlurmClient) -> Facts:
     except SingularityError as exc:
         facts.redis_error = str(exc)
     return facts
+
+
+def _eviction_policy(config: Config) -> str | None:
+    import redis
+
+    try:
+        answer = connect(config.redis, timeout=3).config_get("maxmemory-policy")
+    except (redis.RedisError, SingularityError):
+        return None  # CONFIG renamed or refused to this user
+    return answer.get("maxmemory-policy") if isinstance(answer, dict) else None
 
 
 def results_json(results: list[Result]) -> list[dict[str, Any]]:

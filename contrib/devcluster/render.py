@@ -180,6 +180,7 @@ def render_redis_conf(layout: Layout, password: str) -> str:
         "save 60 1",
         f"requirepass {password}",
         "protected-mode yes",
+        "maxmemory-policy noeviction",  # never drop registry or checkpoint index keys: refuse writes
         "",
     ])
 

@@ -35,8 +35,9 @@ def test_admin_check_passes_on_the_dev_cluster():
     assert proc.returncode == 0, proc.stdout
     assert not [ln for ln in proc.stdout.splitlines() if ln.startswith("FAIL")]
     for item in ("slurm version", "slurm.conf PreemptType", "partition basic (tier basic) PreemptMode",
-                 "SPANK plugin", "job_submit.lua", "criu check", "pycriu", "redis auth"):
+                 "SPANK plugin", "job_submit.lua", "criu check", "pycriu", "redis auth", "redis eviction"):
         assert f"PASS  {item}" in proc.stdout, item
+    assert "PASS  redis eviction: maxmemory-policy noeviction" in proc.stdout  # read from the server
 
 
 def test_basic_partition_without_requeue_fails_naming_the_key_and_fix(slurm_conf):

@@ -74,6 +74,7 @@ def good_facts(version: SlurmVersion = V2205, config: Config = CONFIG) -> Facts:
         pycriu=True,
         redis_error=None,
         redis_requires_auth=True,
+        redis_eviction="noeviction",
     )
 
 
@@ -106,7 +107,7 @@ ALL_NAMES_2205 = [
     "partition standard (tier standard) GraceTime",
     "partition basic (tier basic) PreemptMode", "partition basic (tier basic) GraceTime",
     "tier priorities", "job_submit.lua", "cli_filter.lua", "SPANK plugin", "criu version",
-    "criu check", "criu patches", "dirty tracking", "pycriu", "redis", "redis auth",
+    "criu check", "criu patches", "dirty tracking", "pycriu", "redis", "redis auth", "redis eviction",
 ]
 
 
@@ -450,6 +451,17 @@ def test_redis_without_auth_fails_on_auth() -> None:
         "redis auth", False, "accepts clients without a password",
         "set requirepass in redis.conf and put the password in "
         "/etc/singularity-slurm/redis.password")
+
+
+def test_redis_that_may_evict_keys_fails_and_one_that_hides_its_config_passes_with_a_reminder() -> None:
+    failed = only_failure(dataclasses.replace(good_facts(), redis_eviction="allkeys-lru"))
+
+    assert failed == Result(
+        "redis eviction", False,
+        "maxmemory-policy allkeys-lru: Redis may drop registry and checkpoint index keys",
+        "set maxmemory-policy noeviction in redis.conf")
+    hidden = {r.name: r for r in evaluate(dataclasses.replace(good_facts(), redis_eviction=None), CONFIG)}
+    assert hidden["redis eviction"].ok and "maxmemory-policy noeviction" in hidden["redis eviction"].detail
 
 
 # --- output ---------------------------------------------------------------------------------------
