@@ -10,7 +10,9 @@ before anything else is read from it, that it knows the generation's token (chal
 `handshake`): the token itself never crosses the wire, and a recorded handshake is useless on another
 connection. Until then it may send only a few fixed-size bytes within `HANDSHAKE_S`; handshakes run
 concurrently, at most `MAX_PENDING` at once (the oldest is dropped for a new one), so garbage, slow or
-unauthenticated connections are logged and dropped without delaying the real peers. Authenticated
+unauthenticated connections are logged and dropped without delaying the real peers. A connection
+dialed from this host by a socket of another uid than the proxy's (root's) is closed before it takes
+a handshake slot (`peeruid`): another user of a node cannot crowd out the real peers that way. Authenticated
 frames are bounded too (`MAX_HEADER`, and the payload limit the proxy derives from its region size).
 """
 
@@ -28,6 +30,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from . import peeruid
 
 LOG = logging.getLogger("singularity.proxy.mesh")
 
@@ -147,8 +151,10 @@ class Mesh:
                  on_control: Callable[[str, dict], None] | None = None,
                  on_lost: Callable[[str, str], None] | None = None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, handshake_s: float = HANDSHAKE_S,
-                 max_pending: int = MAX_PENDING):
+                 max_pending: int = MAX_PENDING,
+                 dialer_uid: Callable[[socket.socket], int | None] = peeruid.peer_uid):
         self.me = me
+        self.dialer_uid = dialer_uid  # of a dialer on this host; None for one elsewhere
         self.generation = generation
         self.token = token
         self.on_control = on_control or (lambda peer, message: None)
@@ -235,6 +241,14 @@ class Mesh:
                 sock, address = self.listener.accept()
             except OSError:
                 return
+            uid = self.dialer_uid(sock)
+            if uid is not None and uid != os.geteuid():  # root's proxies dial as root
+                with self.cond:
+                    self.dropped += 1
+                self._log_drop(self.me, address, f"dialed by uid {uid} of this host: a proxy's peers "
+                               "are proxies, which run as root")
+                sock.close()
+                continue
             with self.cond:
                 if not self.expected:  # every peer that dials us is here: nobody else may be
                     self.dropped += 1

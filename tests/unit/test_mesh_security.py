@@ -265,6 +265,64 @@ def test_a_flood_of_idle_connections_keeps_threads_bounded_and_peers_get_in(mesh
         sock.close()
 
 
+LOCAL_FLOOD = """
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    try:
+        held.append(socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5))
+    except OSError:
+        pass
+print(len(held), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_flood_from_another_user_of_the_host_takes_no_handshake_slot(meshes) -> None:
+    """Another user on a node opens connection after connection to a proxy's port (faster than a
+    handshake round trip, before the proxies dial each other): each is closed at once, none holds
+    a slot, and the real peers get in."""
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another user")
+    c = meshes["c"]
+    c_side = Connecting(meshes, "c")
+    accepting(c)
+    flood = subprocess.Popen([sys.executable, "-c", LOCAL_FLOOD, str(c.port), "200"], user=65534,
+                             stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert flood.stdout.readline().strip() == "200"  # all dialed
+        deadline = time.monotonic() + 30
+        while c.dropped < 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.dropped == 200 and c.pending == {}  # each closed at once, none took a slot
+        assert {**Connecting(meshes, "ab").join(), **c_side.join()} == {"a": None, "b": None, "c": None}
+        exchange(meshes)
+    finally:
+        flood.kill()
+        flood.wait()
+
+
+def test_the_kernel_names_the_uid_of_a_local_dialer_and_none_for_a_socket_it_has_not() -> None:
+    from singularity_slurm.proxy import peeruid
+
+    server = socket.create_server(("127.0.0.1", 0))
+    dialer = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    try:
+        assert peeruid.peer_uid(accepted) == os.geteuid()
+        # a socket this host does not have (as a dialer on another host): no uid
+        reply_to = peeruid.request(("127.0.0.1", 1), ("127.0.0.1", 2))
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, peeruid.NETLINK_SOCK_DIAG) as diag:
+            diag.sendto(reply_to, (0, 0))
+            assert peeruid.parse_uid(diag.recv(8192)) is None
+    finally:
+        for sock in (accepted, dialer, server):
+            sock.close()
+
+
 def test_once_every_peer_is_in_a_stranger_is_dropped_at_once(meshes) -> None:
     assert connect_all(meshes) == {"a": None, "b": None, "c": None}
     late = stranger(meshes["c"].port)
