@@ -379,8 +379,8 @@ class AgentState:
     def _charge_proxies(self, pid: int) -> None:
         """Move this node's proxies of the job (the Prolog started them, outside the job) into the
         job's cgroups as process `pid` of the job shows them, once: what they hold and use for the
-        job's ranks (regions they fault in, GPU contexts, cores) then counts against the job's
-        limits, not the node's."""
+        job's ranks (regions they fault in, their GPU contexts' host memory, cores) then counts
+        against the job's limits, not the node's."""
         if self.proxies_charged or self.run_dir is None:
             return
         problems: list[str] = []

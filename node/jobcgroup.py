@@ -260,9 +260,10 @@ def join_service(pid: int, start_time: int, targets: Iterable[Path],
                  started: Callable[[int], int | None]) -> list[str]:
     """Move one process, named by its pid and its start time (`started(pid)`, as the kernel counts
     it), into every target; the problems, as text. Its pidfd is opened before the start time is
-    compared and looked at again after each move: a process that still runs then is the one that
-    was moved (its pid could not have been another's meanwhile), so a recycled pid is never moved,
-    and one found to have ended stops the moves (what was moved is the Epilog's to sweep)."""
+    compared and looked at again after the moves: a process that still runs then is the one that
+    was moved (its pid could not have been another's meanwhile), so a recycled pid is moved only
+    where the process ended within those few writes, and that is reported (what was moved is the
+    Epilog's to sweep)."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
