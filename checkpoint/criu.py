@@ -116,22 +116,13 @@ def external_mounts(mountinfo: str, wanted: list[str] | tuple[str, ...]) -> dict
     """The mounts among `wanted` (absolute paths) that a tree's mount namespace has, by the key criu
     gives them: {"ext0": "/usr/local/nvidia"}. `mountinfo` is /proc/PID/mountinfo of the tree's
     init, read by root from the kernel (its mount points are escaped octal, as the kernel writes them)."""
-    present = set()
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4:
-            present.add(_unescape(fields[4]))
+    present = set(mount_points(mountinfo))
     return {f"ext{index}": path for index, path in enumerate(p for p in wanted if p in present)}
 
 
 def mount_points(mountinfo: str) -> list[str]:
     """The mount points of a /proc/PID/mountinfo, in its order, each once."""
-    seen: dict[str, None] = {}
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4:
-            seen.setdefault(_unescape(fields[4]))
-    return list(seen)
+    return list(dict.fromkeys(entry.point for entry in mount_entries(mountinfo)))
 
 
 def in_user_folder(path: str, lstat: Callable[[str], os.stat_result]) -> bool:
@@ -319,9 +310,9 @@ class Criu:
         return pycriu, client
 
     def _swrk(self, launch: Sequence[str]) -> tuple[socket.socket, subprocess.Popen]:
-        """criu's RPC worker (`criu swrk FD`) started through `launch`, and our end of its socket.
-        Started as pycriu starts it (inheriting this process's environment), as a child of this
-        process: a restored tree (rst_sibling) is this process's child too."""
+        """criu's RPC worker (`criu swrk FD`), started through `launch` (none: directly), and our end
+        of its socket. Started as pycriu starts it (inheriting this process's environment), as a
+        child of this process: a restored tree (rst_sibling) is this process's child too."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = subprocess.Popen([*launch, str(self.binary), "swrk", str(theirs.fileno())],
@@ -396,7 +387,7 @@ class Criu:
         Joined only after the restore, the tree's restored memory stayed charged to the agent's
         cgroup (no cgroup version moves charges with a task), out of the job's memory limit.
         """
-        pycriu, client = self._client()
+        self._client()  # pycriu is there
         from pycriu import rpc_pb2 as rpc
 
         fd = os.open(images_dir, os.O_DIRECTORY)
@@ -417,10 +408,7 @@ class Criu:
         swrk: subprocess.Popen | None = None
         try:
             try:
-                if launch:
-                    sock, swrk = self._swrk(launch)
-                else:
-                    sock = client._comm.connect(False)
+                sock, swrk = self._swrk(launch)
                 try:
                     sock.send(req.SerializeToString())
                     while True:
@@ -440,11 +428,8 @@ class Criu:
                         ack.notify_success = ok
                         sock.send(ack.SerializeToString())
                 finally:
-                    if swrk is None:
-                        client._comm.disconnect()
-                    else:
-                        sock.close()
-                        swrk.wait()
+                    sock.close()
+                    swrk.wait()
             except (OSError, ValueError) as exc:
                 if swrk is not None and swrk.returncode == JOIN_FAILED:
                     raise RestoreFailed(f"criu restore from {images_dir}: criu could not join the "
