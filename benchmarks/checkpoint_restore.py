@@ -32,6 +32,7 @@ requeues itself when warned. The requeued jobs' 121 s requeue delay is lifted he
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -44,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
@@ -878,6 +879,42 @@ def prepare(slurm: SlurmClient, settings: Settings, workdir: Path) -> list[str]:
     return []
 
 
+@contextlib.contextmanager
+def configured(path: Path, section: str, key: str, value: str) -> Iterator[None]:
+    """The TOML file `path` with `key = value` in `[section]` while the block runs (the nodes'
+    agents read it at each job's start), its bytes put back after."""
+    original = path.read_bytes()
+    path.write_text(with_setting(original.decode(), section, key, value))
+    try:
+        config_mod.load(path)
+        yield
+    finally:
+        path.write_bytes(original)
+
+
+def with_setting(text: str, section: str, key: str, value: str) -> str:
+    """A TOML text with `key = value` in `[section]`: an existing line of the key replaced, else
+    one added under the section's header (or a new section at the end)."""
+    lines, inside, done = text.splitlines(), False, False
+    out = []
+    for line in lines:
+        header = re.fullmatch(r"\s*\[([^\]]+)\]\s*", line)
+        if header:
+            if inside and not done:
+                out.append(f"{key} = {value}")
+                done = True
+            inside = header[1].strip() == section
+        elif inside and re.match(rf"\s*{re.escape(key)}\s*=", line):
+            line, done = f"{key} = {value}", True
+        out.append(line)
+    if inside and not done:
+        out.append(f"{key} = {value}")
+        done = True
+    if not done:
+        out += ["", f"[{section}]", f"{key} = {value}"]
+    return "\n".join(out) + "\n"
+
+
 def _git_commit() -> str:
     proc = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, check=False)
@@ -913,10 +950,14 @@ def _git_commit() -> str:
               help="Folder for the jobs' scripts and output [default: ~USER/bench-TIMESTAMP].")
 @click.option("--results-dir", type=click.Path(path_type=Path), default=REPO / "benchmarks" / "results",
               show_default=True, envvar="BENCH_RESULTS_DIR", help="Where the report is written.")
+@click.option("--stream-pages", type=click.Choice(config_mod.STREAM_PAGES), envvar="BENCH_STREAM_PAGES",
+              help="Run with this preemption.stream_pages (written into the cluster's configuration for "
+                   "the run, the file put back after) [default: as configured].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the Markdown report.")
 def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, preempt_at: int,
          periodic_at: int, floor: bool, save_every: int, premium_sleep: float, job_timeout: float,
-         repeat: int, user: str, workdir: Path | None, results_dir: Path, as_json: bool) -> None:
+         repeat: int, user: str, workdir: Path | None, results_dir: Path, stream_pages: str | None,
+         as_json: bool) -> None:
     """Measure checkpoint and restore of preempted jobs on the dev cluster, Singularity against
     torch.save. Run as root; it takes about a minute per job (see benchmarks/README.md)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -944,7 +985,8 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
                 "slurm": str(slurm.version()), "commit": _git_commit(), "step sleep": f"{step_sleep}s",
                 "preempt at step": preempt_at, "torch.save every": f"{save_every} steps",
                 "premium job": f"{premium_sleep}s", "repeat": repeat,
-                "checkpoint before the preemption": f"step {periodic_at}" if periodic_at else "none"}
+                "checkpoint before the preemption": f"step {periodic_at}" if periodic_at else "none",
+                "stream pages": stream_pages or config_mod.load().preemption.stream_pages}
     except (CannotStart, SingularityError) as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -954,12 +996,15 @@ def main(ballast: str, torchsave_ballast: str, steps: int, step_sleep: float, pr
     signal.signal(signal.SIGTERM, _interrupted)
     results: list[Result] = []
     total = len(runs) * repeat
+    setting = (configured(config_mod.config_path(), "preemption", "stream_pages", f'"{stream_pages}"')
+               if stream_pages else contextlib.nullcontext())
     try:
-        for rep in range(1, repeat + 1):
-            for kind, size in runs:
-                _say(f"--- run {len(results) + 1} of {total}: {kind}, ballast {size} MiB")
-                slug = "singularity" if kind == SINGULARITY else "torchsave"
-                results.append(bench.run(kind, size, workdir / f"{slug}-{size}mib-{rep}"))
+        with setting:
+            for rep in range(1, repeat + 1):
+                for kind, size in runs:
+                    _say(f"--- run {len(results) + 1} of {total}: {kind}, ballast {size} MiB")
+                    slug = "singularity" if kind == SINGULARITY else "torchsave"
+                    results.append(bench.run(kind, size, workdir / f"{slug}-{size}mib-{rep}"))
     except KeyboardInterrupt:
         _say("interrupted")
         sys.exit(130)

@@ -20,12 +20,15 @@ Facts this relies on (verified on Debian 12, kernel 6.18, criu 4.1.1):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
 import socket
 import stat
+import struct
 import subprocess
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -33,6 +36,8 @@ from pathlib import Path
 
 from singularity_slurm import rootexec
 from singularity_slurm.errors import CheckpointError
+
+from . import pagestream
 
 SHIM_SOURCE = "criu_prlimit.c"
 SHIM_LIBRARY = "criu_prlimit.so"
@@ -215,6 +220,55 @@ class DumpResult:
     images_dir: Path
     pid: int
     leave_running: bool
+    received: pagestream.Received | None = None  # the pages, where criu sent them to a stream
+
+
+class _PageReceiver:
+    """The agent's end of a dump's page stream, read by a thread of its own while criu dumps."""
+
+    def __init__(self, sink: pagestream.Sink, layout: struct.Struct):
+        self.layout = layout
+        self.ours, self.criu_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (self.ours, self.criu_end):
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_BUFFER)
+            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_BUFFER)
+        self.sink = sink
+        self.outcome: pagestream.Received | BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="criu-pages", daemon=True)
+
+    def start(self) -> None:
+        self.criu_end.close()  # criu holds its copy: its exit ends the stream
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.outcome = pagestream.receive(self.ours, self.sink, self.layout)
+        except BaseException as exc:  # noqa: BLE001 - handed to the dumping thread
+            self.outcome = exc
+
+    def failure(self) -> BaseException | None:
+        """Why the stream failed (once criu has ended), None where it did not."""
+        self.thread.join()
+        return self.outcome if isinstance(self.outcome, BaseException) else None
+
+    def result(self) -> pagestream.Received:
+        self.thread.join()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        assert self.outcome is not None
+        return self.outcome
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.ours.shutdown(socket.SHUT_RDWR)  # a receiver still reading sees the end
+        if self.thread.is_alive():
+            self.thread.join()
+        self.ours.close()
+        self.criu_end.close()
+
+
+STREAM_BUFFER = 4 << 20
+"""Socket buffer of a page stream (the kernel caps it at net.core.[rw]mem_max)."""
 
 
 def frozen_seconds(images_dir: Path) -> float | None:
@@ -244,6 +298,20 @@ def supports(binary: Path, option: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0 and "Version" in proc.stdout
+
+
+def version_of(binary: Path) -> tuple[int, ...]:
+    """The version `binary` (criu, or its wrapper) reports, as (4, 1, 1)."""
+    try:
+        proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CheckpointError(f"cannot run {binary} --version: {exc}") from exc
+    match = re.search(r"Version:\s*(\d+(?:\.\d+)*)", proc.stdout)
+    if proc.returncode != 0 or match is None:
+        raise CheckpointError(f"{binary} --version said {proc.stdout.strip() or proc.stderr.strip()!r}, "
+                              "not a criu version: reinstall with `make install`")
+    return tuple(int(part) for part in match[1].split("."))
 
 
 UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
@@ -281,6 +349,13 @@ class Criu:
     def __init__(self, binary: Path, share_cow: bool | None = None, track_writes: bool | None = None):
         self.binary = binary
         self._known = {SHARE_COW: share_cow, TRACK_WRITES: track_writes}
+        self._version: tuple[int, ...] | None = None
+
+    @property
+    def version(self) -> tuple[int, ...]:
+        if self._version is None:
+            self._version = version_of(self.binary)
+        return self._version
 
     def _knows(self, option: str) -> bool:
         if self._known[option] is None:
@@ -309,14 +384,17 @@ class Criu:
         client.use_binary(str(self.binary))
         return pycriu, client
 
-    def _swrk(self, launch: Sequence[str]) -> tuple[socket.socket, subprocess.Popen]:
+    def _swrk(self, launch: Sequence[str], keep: socket.socket | None = None
+              ) -> tuple[socket.socket, subprocess.Popen]:
         """criu's RPC worker (`criu swrk FD`), started through `launch` (none: directly), and our end
         of its socket. Started as pycriu starts it (inheriting this process's environment), as a
-        child of this process: a restored tree (rst_sibling) is this process's child too."""
+        child of this process: a restored tree (rst_sibling) is this process's child too. `keep`:
+        another socket it inherits, at the same fd number."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds = (theirs.fileno(), *((keep.fileno(),) if keep is not None else ()))
         try:
             proc = subprocess.Popen([*launch, str(self.binary), "swrk", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                    pass_fds=fds, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
         except OSError:
             ours.close()
@@ -327,50 +405,91 @@ class Criu:
 
     def dump(self, pid: int, images_dir: Path, leave_running: bool = False,
              external: dict[str, str] | None = None, arm: bool = False, incremental: bool = False,
-             skip_mounts: Sequence[str] = ()) -> DumpResult:
+             skip_mounts: Sequence[str] = (), pages: pagestream.Sink | None = None) -> DumpResult:
         """Dump the tree of `pid`; `external`: its mounts that criu records by key, not content
         (see external_mounts); `skip_mounts`: mount points left out of the checkpoint altogether
         (see user_folder_mounts). `arm`: leave each process a write tracker (a periodic dump);
         `incremental`: pages not written since the last armed dump are PE_PARENT holes, which
-        `incremental.compose` fills from that dump's checkpoint. Both need `tracks_writes`."""
+        `incremental.compose` fills from that dump's checkpoint. Both need `tracks_writes`.
+        `pages`: where the page maps' pages go (checkpoint.pagestream): criu sends them over a
+        socket instead of writing them into `images_dir`, and the result's `received` says what came."""
         if (arm or incremental) and not self.tracks_writes:
             raise CheckpointError(f"{self.binary} runs a criu without the track-writes patch; "
                                   "reinstall with `singularityctl devcluster up` or `make install`")
-        pycriu, client = self._client()
+        self._client()  # pycriu is there
+        from pycriu import rpc_pb2 as rpc
+
         images_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(images_dir, os.O_DIRECTORY)
         conf = images_dir.with_name(f".{images_dir.name}.criu.conf")
         options = [o for o, on in ((SHARE_COW, self.share_cow), (TRACK_WRITES, arm),
                                    (TRACK_INCREMENTAL, incremental)) if on]
+        req = rpc.criu_req()
+        req.type = rpc.DUMP
+        req.opts.images_dir_fd = fd
+        req.opts.pid = pid
+        req.opts.leave_running = leave_running
+        req.opts.log_file = "dump.log"
+        req.opts.log_level = 4
+        req.opts.file_locks = True
+        req.opts.external.extend(dump_externals(external or {}))
+        req.opts.skip_mnt.extend(skip_mounts)
+        _host_mounts_external(req.opts)
+        _ignore_cgroups(req.opts)
+        stream = None
         try:
             if options:
                 # criu's RPC has no fields for the patches' options: a configuration file of the
                 # caller's (root's, beside the images) carries them
                 conf.write_text("".join(f"{option}\n" for option in options))
-                client.opts.config_file = str(conf.absolute())
-            client.opts.images_dir_fd = fd
-            client.opts.pid = pid
-            client.opts.leave_running = leave_running
-            client.opts.log_file = "dump.log"
-            client.opts.log_level = 4
-            client.opts.file_locks = True
-            client.opts.external.extend(dump_externals(external or {}))
-            client.opts.skip_mnt.extend(skip_mounts)
-            _host_mounts_external(client.opts)
-            _ignore_cgroups(client.opts)
+                req.opts.config_file = str(conf.absolute())
+            if pages is not None:
+                stream = _PageReceiver(pages, pagestream.header_layout(self.version))
+                req.opts.ps.fd = stream.criu_end.fileno()
+                req.opts.ps.port = 0
             try:
-                client.dump()
-            except pycriu.CRIUException as exc:
+                resp = self._call(req, rpc, keep=stream.criu_end if stream else None,
+                                  started=stream.start if stream else None)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"criu dump of pid {pid}: lost criu: {exc}") from exc
+            if not resp.success:
+                cause = stream.failure() if stream else None
+                if cause is not None:  # the store failed: criu failed the dump for it
+                    raise cause
                 left_out = (f"\nleft out of the checkpoint, in folders someone but root could change: "
                             f"{', '.join(skip_mounts)} (a process that holds a file there, or works "
                             "there, cannot be checkpointed)" if skip_mounts else "")
                 raise CheckpointError(
-                    f"criu dump of pid {pid} failed: {exc}{left_out}\n{_log_tail(images_dir / 'dump.log')}"
-                ) from exc
+                    f"criu dump of pid {pid} failed (errno {resp.cr_errno}){left_out}\n"
+                    f"{_log_tail(images_dir / 'dump.log')}")
+            received = stream.result() if stream else None  # criu has ended: so has its stream
         finally:
+            if stream is not None:
+                stream.close()
             os.close(fd)
             conf.unlink(missing_ok=True)
-        return DumpResult(images_dir, pid, leave_running)
+        return DumpResult(images_dir, pid, leave_running, received)
+
+    def _call(self, req, rpc, keep: socket.socket | None = None,
+              started: Callable[[], None] | None = None):
+        """One request to a criu swrk of our own, its notifications answered with success; the
+        answer. `keep`: a socket criu inherits (at its own fd number); `started` runs once criu runs."""
+        sock, swrk = self._swrk((), keep=keep)
+        try:
+            if started is not None:
+                started()
+            sock.send(req.SerializeToString())
+            while True:
+                resp = _receive(sock, rpc)
+                if resp.type != rpc.NOTIFY:
+                    return resp
+                ack = rpc.criu_req()
+                ack.type = rpc.NOTIFY
+                ack.notify_success = True
+                sock.send(ack.SerializeToString())
+        finally:
+            sock.close()
+            swrk.wait()
 
     def restore(self, images_dir: Path, check: Callable[[int], str | None] | None = None,
                 external: dict[str, str] | None = None, launch: Sequence[str] = ()) -> int:

@@ -11,9 +11,9 @@ import numpy as np
 
 from singularity_slurm.errors import CheckpointError
 
-from . import incremental
+from . import incremental, pagestream
 from .manifest import DIGEST
-from .store import CheckpointStore, Manifest
+from .store import CheckpointStore, CheckpointWriter, Manifest
 
 PAGE_SIZE, PE_PARENT, PE_PRESENT, PE_COW = (incremental.PAGE_SIZE, incremental.PE_PARENT,
                                             incremental.PE_PRESENT, incremental.PE_COW)
@@ -56,32 +56,94 @@ def upload(store: CheckpointStore, job_id: int, images_dir: Path, reason: str,
     dump's holes are filled from `base`, the checkpoint of the dump that armed its write tracker
     (see checkpoint.incremental): what is committed is complete without it.
     """
-    boundaries = pages_boundaries(images_dir)
-    composed = compose_dump(store, images_dir, base)
-    meta = dict(meta)
-    if composed:
-        meta["incremental"] = {"base": base.seq if base else None,
-                               "pages_taken": sum(c.base_pages for c in composed.values()),
-                               "pages_dumped": sum(c.new_pages for c in composed.values())}
-    pages_of = {f"pages-{c.pagemap.pages_id}.img": c for c in composed.values()}
     with store.begin(job_id, reason=reason, meta=meta) as writer:
-        for path in sorted(images_dir.rglob("*")):
-            if path.is_file():
-                rel = path.relative_to(images_dir).as_posix()
-                if path.name in composed:
-                    writer.add_bytes(f"images/{rel}", incremental.encode_pagemap(composed[path.name].pagemap),
-                                     mode=path.stat().st_mode)
-                elif path.name in pages_of:
-                    writer.add_composed(f"images/{rel}", path, pages_of[path.name].segments,
-                                        chunk=PAGE_SIZE, mode=path.stat().st_mode)
-                else:
-                    writer.add_file(f"images/{rel}", path, boundaries=boundaries.get(path.name))
-                if fault is not None:
-                    fault()
-                    fault = None
+        add_images(writer, images_dir, base, fault=fault)
         for rel, path in (extra or {}).items():
             writer.add_file(rel, path)
         return writer.commit()
+
+
+def add_images(writer: CheckpointWriter, images_dir: Path, base: Manifest | None,
+               received: pagestream.Received | None = None, fault: Callable[[], None] | None = None) -> None:
+    """Add a dump's images to a checkpoint being written: the folder's files, and where criu sent
+    its pages to a page stream (`received`, their chunks stored already), its page maps and pages
+    images from that. Holes of an incremental dump are filled from `base`; the checkpoint's meta
+    then says how many pages each side gave."""
+    if received is not None:
+        pagemaps = dict(received.pagemaps)
+        pages = {received.pages_of(name): received.digests[received.pages_of(name)] for name in pagemaps}
+        composed = compose_received(writer.store, received, base, images_dir)
+        for name, (pagemap, digests) in composed.items():
+            pagemaps[name] = pagemap
+            pages[received.pages_of(name)] = digests
+        if composed:
+            new = sum(int(received.digests[received.pages_of(n)].size) for n in composed)
+            writer.meta["incremental"] = {"base": base.seq if base else None,
+                                          "pages_taken": sum(len(d) for _, d in composed.values()) - new,
+                                          "pages_dumped": new}
+        for name, pagemap in sorted(pagemaps.items()):
+            writer.add_bytes(f"images/{name}", incremental.encode_pagemap(pagemap), mode=0o600)
+        for name, digests in sorted(pages.items()):
+            writer.add_chunked(f"images/{name}", digests, chunk=PAGE_SIZE)
+            if fault is not None:
+                fault()
+                fault = None
+        for path in sorted(images_dir.rglob("*")):
+            if path.is_file():
+                writer.add_file(f"images/{path.relative_to(images_dir).as_posix()}", path)
+        return
+    boundaries = pages_boundaries(images_dir)
+    composed_files = compose_dump(writer.store, images_dir, base)
+    if composed_files:
+        writer.meta["incremental"] = {"base": base.seq if base else None,
+                                      "pages_taken": sum(c.base_pages for c in composed_files.values()),
+                                      "pages_dumped": sum(c.new_pages for c in composed_files.values())}
+    pages_of = {f"pages-{c.pagemap.pages_id}.img": c for c in composed_files.values()}
+    for path in sorted(images_dir.rglob("*")):
+        if path.is_file():
+            rel = path.relative_to(images_dir).as_posix()
+            if path.name in composed_files:
+                pagemap = composed_files[path.name].pagemap
+                writer.add_bytes(f"images/{rel}", incremental.encode_pagemap(pagemap),
+                                 mode=path.stat().st_mode)
+            elif path.name in pages_of:
+                writer.add_composed(f"images/{rel}", path, pages_of[path.name].segments,
+                                    chunk=PAGE_SIZE, mode=path.stat().st_mode)
+            else:
+                writer.add_file(f"images/{rel}", path, boundaries=boundaries.get(path.name))
+            if fault is not None:
+                fault()
+                fault = None
+
+
+def compose_received(store: CheckpointStore, received: pagestream.Received, base: Manifest | None,
+                     images_dir: Path) -> dict[str, tuple[incremental.Pagemap, np.ndarray]]:
+    """For each streamed page map with holes: the page map to store instead and its pages' digests
+    in order, the holes' taken from `base`. CheckpointError where `base` cannot fill them."""
+    holed = {name: pagemap for name, pagemap in received.pagemaps.items() if pagemap.holes}
+    if not holed:
+        return {}
+    try:
+        if base is None:
+            raise incremental.IncompleteBase("no base checkpoint was given")
+        tables = base_tables(store, base)
+        out = {}
+        for name, pagemap in holed.items():
+            if not re.fullmatch(r"pagemap-\d+\.img", name):
+                raise incremental.IncompleteBase(f"{name} has holes, and only a process's may")
+            composed = incremental.compose(pagemap, tables.get(_pid(name)))
+            own = received.digests[received.pages_of(name)]
+            parts = [own[s[0]:s[0] + s[1]] if isinstance(s, tuple) else s for s in composed.segments]
+            out[name] = (composed.pagemap, np.concatenate(parts) if parts else np.empty(0, DIGEST))
+        return out
+    except incremental.IncompleteBase as exc:
+        raise _incomplete(images_dir, base, exc) from exc
+
+
+def _incomplete(images_dir: Path, base: Manifest | None, exc: Exception) -> CheckpointError:
+    where = f"checkpoint {base.seq}" if base else "an earlier checkpoint"
+    return CheckpointError(f"the dump in {images_dir} leaves unwritten pages to {where}, which cannot "
+                           f"supply them: {exc}; checkpoint again (the next dump is a full one)")
 
 
 def compose_dump(store: CheckpointStore, images_dir: Path, base: Manifest | None
@@ -102,10 +164,7 @@ def compose_dump(store: CheckpointStore, images_dir: Path, base: Manifest | None
         return {name: incremental.compose(pagemap, tables.get(_pid(name)))
                 for name, pagemap in holed.items()}
     except incremental.IncompleteBase as exc:
-        where = f"checkpoint {base.seq}" if base else "an earlier checkpoint"
-        raise CheckpointError(f"the dump in {images_dir} leaves unwritten pages to {where}, which "
-                              f"cannot supply them: {exc}; checkpoint again (the next dump is a full "
-                              "one)") from exc
+        raise _incomplete(images_dir, base, exc) from exc
 
 
 def _pid(pagemap_name: str) -> int:

@@ -946,6 +946,14 @@ class CheckpointStore:
         return sum(path.stat().st_size for path in self.packs_dir(job_id).glob("*.pack"))
 
 
+def _json_copy(meta: MappingABC[str, Any]) -> dict[str, Any]:
+    """A deep copy through JSON: the manifest holds what the caller meant now, in a form it can store."""
+    try:
+        return json.loads(json.dumps(dict(meta)))
+    except (TypeError, ValueError) as exc:
+        raise InvalidCheckpointRequest(f"meta {meta!r} cannot be stored as JSON: {exc}") from exc
+
+
 class CheckpointWriter:
     """One checkpoint being written. Nothing is visible until `commit`; leaving a `with` block without
     committing, or with an exception, aborts it.
@@ -959,11 +967,7 @@ class CheckpointWriter:
                  meta: MappingABC[str, Any] | None):
         if not isinstance(reason, str):
             raise InvalidCheckpointRequest(f"reason {reason!r} must be a string such as 'preemption'")
-        try:
-            # A deep copy through JSON: the manifest holds what the caller meant now, in a form it can store.
-            self.meta: dict[str, Any] = json.loads(json.dumps(dict(meta or {})))
-        except (TypeError, ValueError) as exc:
-            raise InvalidCheckpointRequest(f"meta {meta!r} cannot be stored as JSON: {exc}") from exc
+        self.meta: dict[str, Any] = _json_copy(meta or {})
         self.store, self.job_id, self.reason = store, job_id, reason
         self.files: list[FileEntry] = []
         self._dir = store.job_dir(job_id)
@@ -1003,6 +1007,11 @@ class CheckpointWriter:
 
     def __enter__(self) -> CheckpointWriter:
         return self
+
+    def add_meta(self, meta: MappingABC[str, Any]) -> None:
+        """More of what the manifest records (a dump's figures, known once it is done)."""
+        self._check_open()
+        self.meta.update(_json_copy(meta))
 
     def __exit__(self, *exc_info: object) -> None:
         self.abort()
@@ -1097,6 +1106,39 @@ class CheckpointWriter:
         count = sum(lengths)
         return self._record(path, mode & 0o7777, count * chunk, digests, np.full(count, chunk, np.int64))
 
+    def put_chunks(self, data: bytes | memoryview, chunk: int) -> bytes:
+        """Store `data` (a whole number of `chunk`-byte chunks) as chunks of no file yet, and return
+        their digests in order: a file streamed in pieces is then recorded with `add_chunked`."""
+        self._check_open()
+        if len(data) % chunk:
+            raise InvalidCheckpointRequest(f"{len(data)} bytes are not whole chunks of {chunk} bytes")
+        count = len(data) // chunk
+        digests = bytearray()
+        self._store(data, 0, np.arange(count, dtype=np.int64) * chunk, np.full(count, chunk, np.int64),
+                    digests)
+        return bytes(digests)
+
+    def chunk_sink(self, chunk: int) -> Callable[[bytes | memoryview], bytes]:
+        """`put_chunks` of `chunk`-byte chunks, as a stream's receiver calls it."""
+        return lambda data: self.put_chunks(data, chunk)
+
+    def add_chunked(self, relpath: str, digests: np.ndarray, *, chunk: int, mode: int = 0o600) -> FileEntry:
+        """Record a file made of the chunks `digests` (each `chunk` bytes) in order, every one of them
+        stored already: by this writer (`put_chunks`) or by an earlier checkpoint of the job."""
+        path = self._check_new_path(relpath)
+        found = self._index.find(digests, np.full(len(digests), chunk, np.int64))
+        stored = found >= 0
+        self._used[self._index.pack[found[stored]]] = True
+        mine = digests[~stored]
+        if mine.size:
+            mine = mine[~self._seen.contains(mine)]
+            lost = [d for d in mine if d.tobytes() not in self._seen.recent]
+            if lost:
+                raise CheckpointError(f"chunk {lost[0].tobytes().hex()} of {path} is neither in the store "
+                                      f"nor among the chunks this checkpoint of job {self.job_id} stored")
+        return self._record(path, mode & 0o7777, len(digests) * chunk, bytearray(digests.tobytes()),
+                            np.full(len(digests), chunk, np.int64))
+
     def _reference(self, path: str, digests: np.ndarray, chunk: int) -> None:
         """Chunks this checkpoint takes from others: the store must hold every one at its length."""
         found = self._index.find(digests, np.full(len(digests), chunk, np.int64))
@@ -1134,26 +1176,31 @@ class CheckpointWriter:
         fresh = np.flatnonzero(~known)
         if not fresh.size:
             return
-        seen = self._seen.contains(np.frombuffer(joined, DIGEST)[fresh])
+        # New to this writer too: the first of equal chunks in this buffer, not stored by it before.
+        # Selected for the whole buffer at once: a dump's pages come a million at a time.
+        arrays = np.frombuffer(joined, DIGEST)
+        fresh = fresh[np.sort(np.unique(arrays[fresh], return_index=True)[1])]
+        fresh = fresh[~self._seen.contains(arrays[fresh])]
+        recent = self._seen.recent
+        new = [i for i in fresh.tolist() if hashed[i] not in recent]
+        if not new:
+            return
+        recent.update(hashed[i] for i in new)
+        sizes = lengths[new]
+        total = int(sizes.sum())
         try:
             with _store_io(self.store.root, f"store chunks of job {self.job_id}"):
-                for i, old in zip(fresh.tolist(), seen.tolist(), strict=True):
-                    digest = hashed[i]
-                    if old or digest in self._seen.recent:
-                        continue
-                    self._seen.add(digest)
-                    offset, length = spans[i]
-                    self._new_digests += digest
-                    self._new_offsets.append(self._pack_offset)
-                    self._new_lengths.append(length)
-                    self._pack_buffer += view[offset:offset + length]
-                    self._pack_offset += length
-                    self._new_bytes += length
-                    if len(self._pack_buffer) >= PACK_WRITE_BLOCK:
-                        self._flush_pack()
+                self._pack_buffer += b"".join(view[spans[i][0]:spans[i][0] + spans[i][1]] for i in new)
+                if len(self._pack_buffer) >= PACK_WRITE_BLOCK:
+                    self._flush_pack()
         except StoreFull:
             self.abort()  # at once: the space this writer took is what the next writer needs
             raise
+        self._new_digests += b"".join(hashed[i] for i in new)
+        self._new_offsets.extend((self._pack_offset + np.concatenate(([0], np.cumsum(sizes[:-1])))).tolist())
+        self._new_lengths.extend(sizes.tolist())
+        self._pack_offset += total
+        self._new_bytes += total
         self._seen.settle()
 
     def _flush_pack(self) -> None:

@@ -306,12 +306,13 @@ class CheckpointEngine:
         started = time.monotonic()
         work = spool.work_folder(self.config.paths.spool_dir, self.node, job_id,
                                  f"dump-{self.rank}-{int(time.time() * 1000)}")
+        stream = self.config.preemption.streams(stop)
         try:
-            if self.track_base is None:  # a full dump: the spool takes every page the tree owns
+            if self.track_base is None and not stream:  # a full dump: the spool takes every page
                 spool.check_room(work, spool.tree_bytes(jobcgroup.tree(init_pid), self.criu.share_cow),
                                  f"a full dump of job {job_id}'s tree")
             return self._checkpoint(job_id, uid, init_pid, reason, stop, generation, run, work, started,
-                                    size, cut_seconds, waited, waited_frozen)
+                                    size, cut_seconds, waited, waited_frozen, stream)
         except Exception as exc:
             self.track_base = None  # whatever the trackers say now is relative to no committed dump
             error = str(exc)
@@ -381,35 +382,53 @@ class CheckpointEngine:
     def _checkpoint(self, job_id: int, uid: int, init_pid: int, reason: str, stop: bool,
                     generation: str | None, run: str | None, work: Path, started: float,
                     size: dict[str, int] | None = None, cut_seconds: float | None = None,
-                    waited: float = 0.0, waited_frozen: bool = False) -> dict[str, Any]:
+                    waited: float = 0.0, waited_frozen: bool = False, stream: bool = False) -> dict[str, Any]:
+        """Dump the tree into `work` and commit it. `stream`: its pages go from criu straight into
+        a checkpoint writer begun before the dump (checkpoint.pagestream), and only its other images
+        into `work`; else every image goes into `work`, stored once criu is done."""
         output = localfiles.output_of(init_pid)  # while the tree exists: the file its stdout names
         faults.point(self.config, "dump", self.node)
         external, skipped = self._tree_mounts(init_pid)
-        with self._gpu_state_out(init_pid, stop) as gpu_meta:
-            # Devices write to pinned host memory without faulting, which a write tracker cannot see:
-            # a tree with CUDA processes is dumped whole every time.
-            track = self.criu.tracks_writes and not gpu_meta
-            base, self.track_base = (self.track_base if track else None), None
-            self.criu.dump(init_pid, work, leave_running=not stop, external=external,
-                           arm=track and not stop, incremental=base is not None, skip_mounts=skipped)
-        dumped = time.monotonic()
-        frozen = frozen_seconds(work)
-        devices = anondev.history(self.devices, anondev.checkpoint_devices(work))
         creds = UserCreds.of_uid(uid)
         copies = work.with_name(work.name + "-local")
-        try:
-            local = localfiles.collect(self.file_log(job_id), creds,
-                                       copies, self.config.local_files)
-            with self.upload_lock:
-                manifest = self._upload(job_id, work, reason, {
+        with contextlib.ExitStack() as writing:
+            writer = None
+            if stream:  # the node's trees store one after another: a rank dedups against the others
+                writing.enter_context(self.upload_lock)
+                writer = writing.enter_context(self.store.begin(job_id, reason=reason, meta={}))
+            with self._gpu_state_out(init_pid, stop) as gpu_meta:
+                # Devices write to pinned host memory without faulting, which a write tracker cannot
+                # see: a tree with CUDA processes is dumped whole every time.
+                track = self.criu.tracks_writes and not gpu_meta
+                base, self.track_base = (self.track_base if track else None), None
+                dump = self.criu.dump(init_pid, work, leave_running=not stop, external=external,
+                                      arm=track and not stop, incremental=base is not None,
+                                      skip_mounts=skipped,
+                                      pages=writer.chunk_sink(PAGE_CHUNK) if writer is not None else None)
+            dumped = time.monotonic()
+            frozen = frozen_seconds(work)
+            devices = anondev.history(self.devices, anondev.checkpoint_devices(work))
+            try:
+                local = localfiles.collect(self.file_log(job_id), creds, copies, self.config.local_files)
+                meta = {
                     "node": self.node, "uid": uid, "dump_seconds": round(dumped - started, 3),
                     "local_files": sorted(k for k in local.entries if k != localfiles.LOG_ENTRY),
                     "rank": self.rank, "generation": generation, "run": run, "restart": self.restart,
                     "anon_devs": devices, **({"placement": size} if size else {}),
                     **({"external_mounts": external} if external else {}), **gpu_meta,
-                }, local.entries, base)
-        finally:
-            shutil.rmtree(copies, ignore_errors=True)
+                    **({"streamed_pages": dump.received.pages} if dump.received is not None else {}),
+                }
+                if writer is None:
+                    with self.upload_lock:
+                        manifest = self._upload(job_id, work, reason, meta, local.entries, base)
+                else:
+                    writer.add_meta(meta)
+                    images.add_images(writer, work, base, received=dump.received, fault=self._store_fault)
+                    for rel, path in local.entries.items():
+                        writer.add_file(rel, path)
+                    manifest = writer.commit()
+            finally:
+                shutil.rmtree(copies, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)  # the images are in the store now: free the space
         if track and not stop:
             self.track_base = manifest
@@ -493,7 +512,10 @@ class CheckpointEngine:
     def _upload(self, job_id: int, work: Path, reason: str, meta: dict[str, Any],
                 extra: dict[str, Path], base: Manifest | None = None) -> Manifest:
         return images.upload(self.store, job_id, work, reason, meta, extra=extra, base=base,
-                             fault=lambda: faults.point(self.config, "store-write", self.node))
+                             fault=self._store_fault)
+
+    def _store_fault(self) -> None:
+        faults.point(self.config, "store-write", self.node)
 
     def _index(self, action: Callable[[Registry], None]) -> None:
         """Update the Redis index; an outage costs `status` detail, never a checkpoint."""

@@ -44,6 +44,14 @@ class PreemptionConfig:
     warn_time: int  # seconds between the warning signal and the kill
     concurrent_dumps: int = 2  # checkpoints one node dumps and stores at once; 0: no limit
     freeze_waiting: bool = True  # a stopping tree is frozen while it waits for a dump slot
+    stream_pages: str = "stopping"  # which dumps send their pages straight into the store
+
+    def streams(self, stop: bool) -> bool:
+        """Whether a dump's pages go from criu straight into the store (checkpoint.pagestream)
+        rather than through an image folder in the spool: a stopping dump's by default, as its job
+        waits for the store anyway; a periodic dump's tree runs again once its images are in the
+        spool, and would stay frozen while they are stored."""
+        return self.stream_pages == "always" or (self.stream_pages == "stopping" and stop)
 
     @property
     def sbatch_signal(self) -> str:
@@ -250,6 +258,11 @@ KEYS: dict[str, tuple[Any, type, str]] = {
     "preemption.freeze_waiting": (PreemptionConfig.freeze_waiting, bool,
                                   "a stopping checkpoint's tree is frozen (cgroup freezer) while it waits "
                                   "for a dump slot, leaving the node's cores to the dumps due first"),
+    "preemption.stream_pages": (PreemptionConfig.stream_pages, str,
+                                "which dumps send their pages from criu straight into the store, hashed "
+                                "once, with no pages image written to spool_dir and read back: stopping "
+                                "(the preemption's, whose job waits for its store anyway), always (periodic "
+                                "ones too: their trees stay frozen until their pages are stored) or never"),
     "redis.host": ("127.0.0.1", str, "Redis host of the coordinator"),
     "redis.port": (6379, int, "Redis port"),
     "redis.db": (0, int, "Redis database number"),
@@ -343,6 +356,7 @@ KEYS: dict[str, tuple[Any, type, str]] = {
                         "(they need read access to redis.password_file)"),
 }
 
+STREAM_PAGES = ("stopping", "always", "never")
 _INTERVAL_DEFAULTS = {"premium": 0, "standard": 60, "basic": 30}
 _SECTIONS = {"tiers", "preemption", "redis", "paths", "proxy", "admin", "local_files", "store", "elastic",
              "sla", "gpu", "testing"}
@@ -408,7 +422,8 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         )
 
     pre_raw = data.get("preemption", {})
-    _check_keys(pre_raw, {"signal", "warn_time", "concurrent_dumps", "freeze_waiting"}, "preemption")
+    _check_keys(pre_raw, {"signal", "warn_time", "concurrent_dumps", "freeze_waiting", "stream_pages"},
+                "preemption")
     sig = _take(pre_raw, "signal", "preemption", str, "URG").upper().removeprefix("SIG")
     if f"SIG{sig}" not in signal.Signals.__members__ or sig in {"KILL", "STOP"}:
         raise ConfigError(
@@ -424,6 +439,10 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         raise ConfigError(f"preemption.concurrent_dumps must be 0..1024 (0: no limit), "
                           f"got {concurrent_dumps}")
     freeze_waiting = _take(pre_raw, "freeze_waiting", "preemption", bool, PreemptionConfig.freeze_waiting)
+    stream_pages = _take(pre_raw, "stream_pages", "preemption", str, PreemptionConfig.stream_pages)
+    if stream_pages not in STREAM_PAGES:
+        raise ConfigError(f"preemption.stream_pages must be one of {', '.join(STREAM_PAGES)}, "
+                          f"got {stream_pages!r}")
 
     redis_raw = data.get("redis", {})
     _check_keys(redis_raw, {"host", "port", "db", "password_file", "socket"}, "redis")
@@ -550,7 +569,7 @@ def parse(data: dict[str, Any], source: Path | None = None) -> Config:
         default_tier=default_tier,
         tiers=tiers,
         preemption=PreemptionConfig(signal=sig, warn_time=warn_time, concurrent_dumps=concurrent_dumps,
-                                    freeze_waiting=freeze_waiting),
+                                    freeze_waiting=freeze_waiting, stream_pages=stream_pages),
         redis=RedisConfig(
             host=_take(redis_raw, "host", "redis", str, "127.0.0.1"),
             port=port,

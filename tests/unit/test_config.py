@@ -169,7 +169,7 @@ def test_unknown_redis_key_lists_valid_redis_keys() -> None:
 def test_unknown_preemption_key_lists_valid_keys() -> None:
     assert config_error({"preemption": {"warntime": 30}}) == (
         "unknown key(s) in [preemption]: warntime; valid keys: concurrent_dumps, freeze_waiting, signal, "
-        "warn_time"
+        "stream_pages, warn_time"
     )
 
 
@@ -744,3 +744,16 @@ def test_sla_defaults_to_hour_windows_and_protected_jobs_nodes_reserved() -> Non
 def test_protect_nodes_can_be_turned_off_and_takes_only_a_bool() -> None:
     assert parse({"sla": {"protect_nodes": False}}).sla.protect_nodes is False
     assert "sla.protect_nodes" in config_error({"sla": {"protect_nodes": "no"}})
+
+
+@pytest.mark.parametrize(("setting", "stop", "streams"), [
+    ("stopping", True, True), ("stopping", False, False), ("always", True, True), ("always", False, True),
+    ("never", True, False), ("never", False, False)])
+def test_stream_pages_says_which_dumps_stream(setting: str, stop: bool, streams: bool) -> None:
+    config = parse({"preemption": {"stream_pages": setting}})
+    assert config.preemption.streams(stop) is streams
+
+
+def test_a_stream_pages_setting_that_is_none_of_the_three_is_refused() -> None:
+    assert config_error({"preemption": {"stream_pages": "sometimes"}}) == (
+        "preemption.stream_pages must be one of stopping, always, never, got 'sometimes'")

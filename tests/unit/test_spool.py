@@ -86,6 +86,7 @@ def test_a_spool_without_room_fails_with_the_numbers_and_the_fix(tmp_path: Path)
 
 def test_a_full_dump_the_spool_has_no_room_for_fails_before_criu_freezes_the_tree(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A periodic dump (by default through the spool: its tree runs again once the images are there)."""
     from singularity_slurm.checkpoint.store import CheckpointStore
     from singularity_slurm.config import parse
     from singularity_slurm.node.engine import CheckpointEngine
@@ -109,9 +110,39 @@ def test_a_full_dump_the_spool_has_no_room_for_fails_before_criu_freezes_the_tre
         child.stdout.readline()  # type: ignore[union-attr]
         with pytest.raises(CheckpointError, match=r"the spool .*/spool/n1/42 has 100 MiB free, and a full "
                                                   r"dump of job 42's tree needs about 2\d\d MiB"):
-            engine.checkpoint(42, os.getuid(), child.pid, reason="preempt", stop=True)
+            engine.checkpoint(42, os.getuid(), child.pid, reason="periodic", stop=False)
     finally:
         child.kill()
         child.wait()
     assert list((tmp_path / "spool" / "n1" / "42").iterdir()) == []  # its image folder is gone
     assert len(failures) == 1  # and the failure is recorded, as any failed checkpoint's
+
+
+@pytest.mark.parametrize(("setting", "stop", "streams"), [("stopping", True, True), ("never", True, False),
+                                                          ("always", False, True)])
+def test_a_streamed_dump_needs_no_spool_room_for_its_pages_and_hands_criu_the_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str, stop: bool, streams: bool) -> None:
+    from singularity_slurm.checkpoint.store import CheckpointStore
+    from singularity_slurm.config import parse
+    from singularity_slurm.node.engine import CheckpointEngine
+
+    asked: list[dict] = []
+
+    class Recording:
+        share_cow, tracks_writes = True, False
+
+        def dump(self, *args: object, **kwargs: object) -> None:
+            asked.append(kwargs)
+            raise CheckpointError("criu dump failed (test)")
+
+    config = parse({"paths": {"store_root": str(tmp_path / "store"), "spool_dir": str(tmp_path / "spool")},
+                    "preemption": {"stream_pages": setting}})
+    engine = CheckpointEngine(config, "n1", tmp_path / "run", CheckpointStore(tmp_path / "store"),
+                              Recording(), None)  # type: ignore[arg-type]
+    monkeypatch.setattr(engine, "_index", lambda action: None)
+    monkeypatch.setattr(spool, "free_bytes", lambda folder: 1 << 20)  # room for no tree's pages
+    expected = "criu dump failed" if streams else "spool .* has 1 MiB free"
+    with pytest.raises(CheckpointError, match=expected):
+        engine.checkpoint(42, os.getuid(), os.getpid(), reason="preempt", stop=stop)
+    assert [kw["pages"] is not None for kw in asked] == ([True] if streams else [])
+    assert not list((tmp_path / "store" / "jobs" / "42" / "manifests").glob("*")), "a failed dump committed"
