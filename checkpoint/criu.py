@@ -226,8 +226,8 @@ class DumpResult:
 class _PageReceiver:
     """The agent's end of a dump's page stream, read by a thread of its own while criu dumps."""
 
-    def __init__(self, sink: pagestream.Sink, layout: struct.Struct):
-        self.layout = layout
+    def __init__(self, sink: pagestream.Sink, layout: struct.Struct, settle: Callable[[], None] | None):
+        self.layout, self.settle = layout, settle
         self.ours, self.criu_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (self.ours, self.criu_end):
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STREAM_BUFFER)
@@ -242,9 +242,13 @@ class _PageReceiver:
 
     def _run(self) -> None:
         try:
-            self.outcome = pagestream.receive(self.ours, self.sink, self.layout)
+            self.outcome = pagestream.receive(self.ours, self.sink, self.layout, self.settle)
         except BaseException as exc:  # noqa: BLE001 - handed to the dumping thread
             self.outcome = exc
+            # criu may be waiting for an answer or writing into a full socket: the end of the stream
+            # makes it fail the dump (it ignores SIGPIPE), let the tree run on and answer the dumper
+            with contextlib.suppress(OSError):
+                self.ours.shutdown(socket.SHUT_RDWR)
 
     def failure(self) -> BaseException | None:
         """Why the stream failed (once criu has ended), None where it did not."""
@@ -405,14 +409,17 @@ class Criu:
 
     def dump(self, pid: int, images_dir: Path, leave_running: bool = False,
              external: dict[str, str] | None = None, arm: bool = False, incremental: bool = False,
-             skip_mounts: Sequence[str] = (), pages: pagestream.Sink | None = None) -> DumpResult:
+             skip_mounts: Sequence[str] = (), pages: pagestream.Sink | None = None,
+             settle_pages: Callable[[], None] | None = None) -> DumpResult:
         """Dump the tree of `pid`; `external`: its mounts that criu records by key, not content
         (see external_mounts); `skip_mounts`: mount points left out of the checkpoint altogether
         (see user_folder_mounts). `arm`: leave each process a write tracker (a periodic dump);
         `incremental`: pages not written since the last armed dump are PE_PARENT holes, which
         `incremental.compose` fills from that dump's checkpoint. Both need `tracks_writes`.
         `pages`: where the page maps' pages go (checkpoint.pagestream): criu sends them over a
-        socket instead of writing them into `images_dir`, and the result's `received` says what came."""
+        socket instead of writing them into `images_dir`, and the result's `received` says what came;
+        `settle_pages` makes what the sink took durable before criu is told the stream arrived (a
+        failure there fails the dump, and the tree runs on)."""
         if (arm or incremental) and not self.tracks_writes:
             raise CheckpointError(f"{self.binary} runs a criu without the track-writes patch; "
                                   "reinstall with `singularityctl devcluster up` or `make install`")
@@ -444,7 +451,7 @@ class Criu:
                 conf.write_text("".join(f"{option}\n" for option in options))
                 req.opts.config_file = str(conf.absolute())
             if pages is not None:
-                stream = _PageReceiver(pages, pagestream.header_layout(self.version))
+                stream = _PageReceiver(pages, pagestream.header_layout(self.version), settle_pages)
                 req.opts.ps.fd = stream.criu_end.fileno()
                 req.opts.ps.port = 0
             try:
@@ -454,8 +461,8 @@ class Criu:
                 raise CheckpointError(f"criu dump of pid {pid}: lost criu: {exc}") from exc
             if not resp.success:
                 cause = stream.failure() if stream else None
-                if cause is not None:  # the store failed: criu failed the dump for it
-                    raise cause
+                if cause is not None and not isinstance(cause, pagestream.PageStreamCut):
+                    raise cause  # the store (or the stream) failed: criu failed the dump for it
                 left_out = (f"\nleft out of the checkpoint, in folders someone but root could change: "
                             f"{', '.join(skip_mounts)} (a process that holds a file there, or works "
                             "there, cannot be checkpointed)" if skip_mounts else "")

@@ -7,7 +7,7 @@ each followed by its pages where it has any, and ends the session with a close t
 answered. Received here, each page is hashed once and only pages the store lacks are written; no
 pages image is written to the spool and read back. What the store then holds is what criu would
 have written into the folder: the same page map entries, and a pages image of the same pages in the
-same order (image names and pages ids as criu's own page server gives them).
+same order (image names as criu gives them; pages ids 1, 2, ... in the order of the opens).
 
 The protocol (criu/page-xfer.c): a command is a `struct page_server_iov`, `u32 cmd` (command in
 the low 16 bits, page map flags in the high ones), then `nr_pages`, `u64 vaddr` and `u64 dst_id`.
@@ -61,6 +61,10 @@ a Python heap's pages, and hashing them a run at a time would cost a call each."
 
 class PageStreamError(CheckpointError):
     """criu's page stream broke its protocol or ended early: the dump is not stored."""
+
+
+class PageStreamCut(PageStreamError):
+    """criu ended the stream without closing it: criu failed (its own error says why) or died."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ class PageSession:
         image = header.image
         if any(s.image == image for s in self.streams):
             raise PageStreamError(f"criu opened {image} twice in one dump")
-        # pages ids as criu's own page server numbers them: 1, 2, ... in the order of the opens
+        # pages ids 1, 2, ... in the order of the opens (the agent writes both the page map's head
+        # and the pages image, so any distinct ids do)
         self.current = Stream(image, header.dst_id, len(self.streams) + 1)
         self.streams.append(self.current)
 
@@ -190,13 +195,16 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     while view:
         got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
         if got == 0:
-            raise PageStreamError("criu closed its page stream before the end of the dump")
+            raise PageStreamCut("criu closed its page stream before the end of the dump")
         view = view[got:]
 
 
-def receive(sock: socket.socket, sink: Sink, layout: struct.Struct = HEADER_4_1) -> Received:
+def receive(sock: socket.socket, sink: Sink, layout: struct.Struct = HEADER_4_1,
+            settle: Callable[[], None] | None = None) -> Received:
     """Take one dump's page stream from `sock` until criu closes the session (its commands in
-    `layout`, see header_layout). The sink's first
+    `layout`, see header_layout). `settle` runs before the close is answered: whatever the sink
+    still holds is made durable then, so a store that cannot take it fails the dump while criu can
+    still let the tree run on, not after criu has ended it. The sink's (or settle's) first
     failure is answered at the close (criu fails the dump and the tree runs on) and raised then;
     the rest of the data is read and dropped meanwhile, so criu is never left writing into a socket
     nobody reads."""
@@ -223,6 +231,11 @@ def receive(sock: socket.socket, sink: Sink, layout: struct.Struct = HEADER_4_1)
         header = parse_header(bytes(raw), layout)
         if header.command in (PS_IOV_OPEN, PS_IOV_OPEN2, PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
             flush()  # the pages held are the open page map's: hand them on before it changes
+        if header.command in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE) and settle is not None and failure is None:
+            try:
+                settle()
+            except Exception as exc:  # noqa: BLE001 - answered at the close, raised after it
+                failure = exc
         step = session.on_header(header, failed=failure is not None)
         if header.command in (PS_IOV_OPEN, PS_IOV_OPEN2):
             digests[session.streams[-1].pages_image] = bytearray()

@@ -1118,6 +1118,18 @@ class CheckpointWriter:
                     digests)
         return bytes(digests)
 
+    def sync_chunks(self) -> None:
+        """Make every chunk stored so far durable in the writer's pack (the commit still publishes
+        it): a stream's end, so that a full disk is met while the source can still be kept."""
+        self._check_open()
+        try:
+            with _store_io(self.store.root, f"store chunks of job {self.job_id}"):
+                self._flush_pack()
+                os.fsync(self._pack.fileno())
+        except BaseException:
+            self.abort()
+            raise
+
     def chunk_sink(self, chunk: int) -> Callable[[bytes | memoryview], bytes]:
         """`put_chunks` of `chunk`-byte chunks, as a stream's receiver calls it."""
         return lambda data: self.put_chunks(data, chunk)
@@ -1193,8 +1205,10 @@ class CheckpointWriter:
                 self._pack_buffer += b"".join(view[spans[i][0]:spans[i][0] + spans[i][1]] for i in new)
                 if len(self._pack_buffer) >= PACK_WRITE_BLOCK:
                     self._flush_pack()
-        except StoreFull:
-            self.abort()  # at once: the space this writer took is what the next writer needs
+        except BaseException:
+            # At once: the space this writer took is what the next writer needs, and its books
+            # (the digests it took as stored) no longer match its pack.
+            self.abort()
             raise
         self._new_digests += b"".join(hashed[i] for i in new)
         self._new_offsets.extend((self._pack_offset + np.concatenate(([0], np.cumsum(sizes[:-1])))).tolist())

@@ -404,7 +404,8 @@ class CheckpointEngine:
                 dump = self.criu.dump(init_pid, work, leave_running=not stop, external=external,
                                       arm=track and not stop, incremental=base is not None,
                                       skip_mounts=skipped,
-                                      pages=writer.chunk_sink(PAGE_CHUNK) if writer is not None else None)
+                                      pages=writer.chunk_sink(PAGE_CHUNK) if writer is not None else None,
+                                      settle_pages=writer.sync_chunks if writer is not None else None)
             dumped = time.monotonic()
             frozen = frozen_seconds(work)
             devices = anondev.history(self.devices, anondev.checkpoint_devices(work))

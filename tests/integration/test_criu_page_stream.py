@@ -70,7 +70,7 @@ def test_streamed_dumps_store_each_page_once_leave_no_pages_in_the_folder_and_re
     later = tmp_path / "later"
     with store.begin(1, reason="preemption", meta={}) as writer:
         result = criu.dump(tree.init, later, incremental=criu.tracks_writes,
-                           pages=writer.chunk_sink(incremental.PAGE_SIZE))
+                           pages=writer.chunk_sink(incremental.PAGE_SIZE), settle_pages=writer.sync_chunks)
         if criu.tracks_writes:
             assert result.received.pages < PAGES // 4, "unwritten pages were sent again"
         images.add_images(writer, later, base if criu.tracks_writes else None, received=result.received)
@@ -107,6 +107,15 @@ def test_a_store_that_fails_mid_stream_fails_the_dump_and_the_tree_runs_on(tree:
     assert calls, "no pages reached the sink"
     assert len(tree.signal_all(tree.init, signal.SIGUSR1)) == 3, "the tree did not survive the failed dump"
     tree.reports(6)
+
+    def full_at_the_end() -> None:  # every page taken, and the disk fills as the last ones are written
+        raise StoreFull("the store's file system is full at the end (test)")
+
+    with pytest.raises(StoreFull, match="at the end"):
+        criu.dump(tree.init, tmp_path / "dump2", pages=lambda data: b"\0" * 16 * (len(data) // 4096),
+                  settle_pages=full_at_the_end)
+    assert len(tree.signal_all(tree.init, signal.SIGUSR1)) == 3, "the tree did not survive the failed dump"
+    tree.reports(9)
 
 
 def test_criu_failing_before_it_streams_names_criu_not_the_stream(tree: Tree, tmp_path: Path):

@@ -306,3 +306,62 @@ def images_pstree(pairs: list[tuple[int, int]]) -> bytes:
     pycriu.images.dump({"magic": "PSTREE", "entries": [
         {"pid": pid, "ppid": ppid, "pgid": pid, "sid": pid} for pid, ppid in pairs]}, out)
     return out.getvalue()
+
+
+def test_what_the_sink_holds_is_settled_before_the_close_is_answered_and_a_failure_there_fails_it() -> None:
+    order: list[str] = []
+    for fails in (False, True):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        criu, outcome = FakeCriu(theirs), {}
+
+        def settle(fails: bool = fails) -> None:
+            order.append("settled")
+            if fails:
+                raise StoreFull("the store is full at the end (test)")
+
+        def run(ours: socket.socket = ours, settle=settle, outcome: dict = outcome) -> None:
+            try:
+                outcome["received"] = pagestream.receive(ours, lambda d: digest(bytes(d)), settle=settle)
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        criu.send(PS_IOV_OPEN2, dst=pid_map(1))
+        criu.answer(1)
+        criu.send(PS_IOV_ADD_F, 1, A, pid_map(1), PE_PRESENT, page(1))
+        criu.send(PS_IOV_FORCE_CLOSE)
+        reply = criu.answer(4)
+        order.append("answered")
+        thread.join(10)
+        assert reply == struct.pack("<i", -1 if fails else 0)
+        assert isinstance(outcome.get("error"), StoreFull) if fails else outcome["received"].pages == 1
+    assert order == ["settled", "answered"] * 2
+
+
+def test_a_receiver_that_refuses_the_stream_ends_it_so_criu_is_not_left_waiting() -> None:
+    import os
+
+    from singularity_slurm.checkpoint.criu import _PageReceiver
+
+    receiver = _PageReceiver(lambda d: b"", HEADER_4_1, None)
+    criu = FakeCriu(socket.socket(fileno=os.dup(receiver.criu_end.fileno())))  # criu's copy
+    receiver.start()
+    try:
+        criu.send(0x77)  # unknown: the receiver gives up, criu would now wait for an answer
+        criu.sock.settimeout(10)
+        assert criu.sock.recv(1) == b"", "criu would wait for an answer that never comes"
+        assert isinstance(receiver.failure(), PageStreamError)
+    finally:
+        criu.sock.close()
+        receiver.close()
+
+
+def test_sync_chunks_puts_the_buffered_chunks_into_the_pack(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "store", max_chunk=P)
+    with store.begin(1, reason="preemption", meta={}) as writer:
+        writer.put_chunks(page(1) + page(2), P)
+        pack = next((tmp_path / "store").rglob("chunks.pack"))
+        assert pack.stat().st_size == 0  # buffered until a block is full
+        writer.sync_chunks()
+        assert pack.read_bytes() == page(1) + page(2)
