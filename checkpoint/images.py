@@ -121,29 +121,12 @@ def compose_received(store: CheckpointStore, received: pagestream.Received, base
     """For each streamed page map with holes: the page map to store instead and its pages' digests
     in order, the holes' taken from `base`. CheckpointError where `base` cannot fill them."""
     holed = {name: pagemap for name, pagemap in received.pagemaps.items() if pagemap.holes}
-    if not holed:
-        return {}
-    try:
-        if base is None:
-            raise incremental.IncompleteBase("no base checkpoint was given")
-        tables = base_tables(store, base)
-        out = {}
-        for name, pagemap in holed.items():
-            if not re.fullmatch(r"pagemap-\d+\.img", name):
-                raise incremental.IncompleteBase(f"{name} has holes, and only a process's may")
-            composed = incremental.compose(pagemap, tables.get(_pid(name)))
-            own = received.digests[received.pages_of(name)]
-            parts = [own[s[0]:s[0] + s[1]] if isinstance(s, tuple) else s for s in composed.segments]
-            out[name] = (composed.pagemap, np.concatenate(parts) if parts else np.empty(0, DIGEST))
-        return out
-    except incremental.IncompleteBase as exc:
-        raise _incomplete(images_dir, base, exc) from exc
-
-
-def _incomplete(images_dir: Path, base: Manifest | None, exc: Exception) -> CheckpointError:
-    where = f"checkpoint {base.seq}" if base else "an earlier checkpoint"
-    return CheckpointError(f"the dump in {images_dir} leaves unwritten pages to {where}, which cannot "
-                           f"supply them: {exc}; checkpoint again (the next dump is a full one)")
+    out = {}
+    for name, composed in compose_holes(store, holed, base, images_dir).items():
+        own = received.digests[received.pages_of(name)]
+        parts = [own[s[0]:s[0] + s[1]] if isinstance(s, tuple) else s for s in composed.segments]
+        out[name] = (composed.pagemap, np.concatenate(parts) if parts else np.empty(0, DIGEST))
+    return out
 
 
 def compose_dump(store: CheckpointStore, images_dir: Path, base: Manifest | None
@@ -155,16 +138,29 @@ def compose_dump(store: CheckpointStore, images_dir: Path, base: Manifest | None
         pagemap = incremental.parse_pagemap(path.read_bytes())
         if pagemap.holes:
             holed[path.name] = pagemap
+    return compose_holes(store, holed, base, images_dir)
+
+
+def compose_holes(store: CheckpointStore, holed: dict[str, incremental.Pagemap], base: Manifest | None,
+                  images_dir: Path) -> dict[str, incremental.Composed]:
+    """The page maps `holed` (by image name) with their holes filled from `base`; CheckpointError
+    where `base` cannot fill them (or a page map that is not a process's has holes)."""
     if not holed:
         return {}
     try:
         if base is None:
             raise incremental.IncompleteBase("no base checkpoint was given")
         tables = base_tables(store, base)
-        return {name: incremental.compose(pagemap, tables.get(_pid(name)))
-                for name, pagemap in holed.items()}
+        out = {}
+        for name, pagemap in holed.items():
+            if not re.fullmatch(r"pagemap-\d+\.img", name):
+                raise incremental.IncompleteBase(f"{name} has holes, and only a process's may")
+            out[name] = incremental.compose(pagemap, tables.get(_pid(name)))
+        return out
     except incremental.IncompleteBase as exc:
-        raise _incomplete(images_dir, base, exc) from exc
+        where = f"checkpoint {base.seq}" if base else "an earlier checkpoint"
+        raise CheckpointError(f"the dump in {images_dir} leaves unwritten pages to {where}, which cannot "
+                              f"supply them: {exc}; checkpoint again (the next dump is a full one)") from exc
 
 
 def _pid(pagemap_name: str) -> int:

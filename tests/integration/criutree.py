@@ -72,6 +72,22 @@ class Tree:
         return pids
 
 
+def restore_matches(criu, folder: Path, tree: Tree, written: dict[str, str]) -> None:
+    """Restore `folder` with `criu` and check that every process of the restored tree holds the
+    memory it reported after its write (`written`, a `reports` that followed SIGUSR2); the
+    restored tree is killed after."""
+    root = criu.restore(folder)
+    try:
+        reported = len(tree.out.read_text().splitlines())
+        assert len(tree.signal_all(root, signal.SIGUSR1)) == 3
+        after = tree.reports(reported + 3)
+        for role in ROLES:
+            assert after[role] == written[f"{role}-wrote"], f"{role}'s memory differs after the restore"
+    finally:
+        os.kill(root, signal.SIGKILL)
+        os.waitpid(root, 0)
+
+
 @contextmanager
 def running_tree(user: pwd.struct_passwd, mib: int) -> Iterator[Tree]:
     folder = Path(tempfile.mkdtemp(prefix="criu-tree-", dir="/tmp"))

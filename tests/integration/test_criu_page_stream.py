@@ -8,14 +8,13 @@ dumped with real CRIU into a store of the test's own and restored from it. No Sl
 
 from __future__ import annotations
 
-import os
 import pwd
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from criutree import ROLES, Tree, running_tree
+from criutree import Tree, restore_matches, running_tree
 
 from singularity_slurm import config as config_mod
 from singularity_slurm.checkpoint import images, incremental
@@ -82,15 +81,7 @@ def test_streamed_dumps_store_each_page_once_leave_no_pages_in_the_folder_and_re
     restored = tmp_path / "restored"
     restored.mkdir()
     folder = images.download(store, manifest, restored)
-    root = criu.restore(folder)
-    try:
-        assert len(tree.signal_all(root, signal.SIGUSR1)) == 3
-        after = tree.reports(9)
-        for role in ROLES:
-            assert after[role] == written[f"{role}-wrote"], f"{role}'s memory differs after the restore"
-    finally:
-        os.kill(root, signal.SIGKILL)
-        os.waitpid(root, 0)
+    restore_matches(criu, folder, tree, written)
 
 
 def test_a_store_that_fails_mid_stream_fails_the_dump_and_the_tree_runs_on(tree: Tree, tmp_path: Path):

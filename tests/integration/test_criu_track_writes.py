@@ -10,14 +10,13 @@ involved.
 
 from __future__ import annotations
 
-import os
 import pwd
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from criutree import ROLES, Tree, running_tree
+from criutree import Tree, restore_matches, running_tree
 
 from singularity_slurm import config as config_mod
 from singularity_slurm.checkpoint import images, incremental
@@ -78,15 +77,7 @@ def test_a_dump_after_an_armed_one_stores_only_what_was_written_and_restores_com
     restored.mkdir()
     folder = images.download(store, manifest, restored)
     assert not any(holes(folder).values()), "the stored checkpoint is not complete on its own"
-    root = criu.restore(folder)
-    try:
-        assert len(tree.signal_all(root, signal.SIGUSR1)) == 3
-        after = tree.reports(9)
-        for role in ROLES:
-            assert after[role] == written[f"{role}-wrote"], f"{role}'s memory differs after the restore"
-    finally:
-        os.kill(root, signal.SIGKILL)
-        os.waitpid(root, 0)
+    restore_matches(criu, folder, tree, written)
 
 
 def test_without_an_armed_dump_before_it_an_incremental_dump_leaves_nothing_out(tree: Tree, tmp_path: Path):
